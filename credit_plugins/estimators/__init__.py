@@ -1,0 +1,15 @@
+"""The built-in credit estimators, registered through the same ``agentcredit_estimators`` hook as any plugin.
+
+One file per method (``grpo.py``, ``gigpo.py``, ...), each holding its params dataclass, the pure function and an
+``ESTIMATOR`` record.
+"""
+
+from ..hookspecs import hookimpl
+from . import gigpo, grpo
+
+BUILTIN = (grpo.ESTIMATOR, gigpo.ESTIMATOR)
+
+
+@hookimpl
+def agentcredit_estimators():
+    return list(BUILTIN)

@@ -1,0 +1,74 @@
+"""GiGPO: group-in-group policy optimisation, the main step-level baseline.
+
+Paper: Feng, Xue, Liu, An, "Group-in-Group Policy Optimization for LLM Agent Training", NeurIPS 2025,
+arXiv:2505.10978. Follows ``gigpo/core_gigpo.py`` of verl-agent step for step (spec: ``CREDIT.md`` §3).
+
+    A^E(tau_i)  = (R(tau_i) - mean_g R) / F(g)                    episode level, Eq. 3 (the GRPO term)
+    R_t         = sum_{k>=t} gamma^(k-t) r_k                      discounted step return, Eq. 5
+    G^S(s~)     = {(a_t, R_t) : s_t = s~, same task group}        anchor-state groups, Eq. 6
+    A^S(a_t)    = (R_t - mean_{G^S} R) / F(G^S)                   step level, Eq. 7
+    A           = A^E + step_weight * A^S                          Eq. 8
+
+F is the unbiased std + eps (``norm_std=True``, "GiGPO w/ std", verl-agent mode ``mean_std_norm``) or 1
+(``mean_norm``). An anchor group of one visit has A^S = 0 (verl-agent's step_norm_reward: mean = itself);
+revisits of a state inside one trajectory are separate members of its anchor group. Episode statistics are
+taken over step rows by default (verl-agent's ``compute_mean_std_cross_steps=True``; pass
+``episode_stats="trajectories"`` for the paper's Eq. 3). Exact-match anchors only: verl-agent's optional
+``difflib`` similarity clustering is greedy and order-dependent, and is not offered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..estimator import Estimator, param
+from ..segments import group_normalise
+from ..steptable import StepTable
+from .grpo import EPISODE_STATS, episode_advantage
+
+
+@dataclass
+class GiGPOParams:
+    """Hyperparameters of GiGPO (defaults: verl-agent's ALFWorld launcher)."""
+
+    gamma: float = param(0.95, "Discount of the step return R_t (the launchers' 0.95; verl's yaml default is 1.0).")
+    step_weight: float = param(1.0, "Weight omega of the step-level term A^S (verl-agent step_advantage_w). "
+                               "0 gives GRPO exactly.")
+    norm_std: bool = param(True, "Divide both terms by their group std ('mean_std_norm'); False is 'mean_norm'.")
+    eps: float = param(1e-6, "Added to the std before dividing.")
+    episode_stats: str = param("steps", "Episode statistics over 'steps' (verl-agent default) or 'trajectories' "
+                               "(the paper's Eq. 3).")
+
+    def __post_init__(self):
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"gamma={self.gamma}; the discount must lie in [0, 1]")
+        if self.episode_stats not in EPISODE_STATS:
+            raise ValueError(f"episode_stats={self.episode_stats!r}; choose one of {EPISODE_STATS}")
+        if not self.eps > 0:
+            raise ValueError(f"eps={self.eps}; it must be > 0 so a zero-variance group does not divide by zero")
+
+
+def step_advantage(steps: StepTable, *, gamma: float, norm_std: bool, eps: float) -> torch.Tensor:
+    """[S] float64 A^S: the discounted step return normalised within its anchor-state group."""
+    anchor, n_anchor = steps.anchor
+    return group_normalise(steps.reward_to_go(gamma), anchor, n_anchor,
+                           norm_std=norm_std, eps=eps, singleton_mean_zero=False)
+
+
+def gigpo(steps: StepTable, p: GiGPOParams) -> torch.Tensor:
+    a_episode = episode_advantage(steps, norm_std=p.norm_std, eps=p.eps, episode_stats=p.episode_stats)
+    if p.step_weight == 0:
+        return a_episode
+    return a_episode + p.step_weight * step_advantage(steps, gamma=p.gamma, norm_std=p.norm_std, eps=p.eps)
+
+
+ESTIMATOR = Estimator(
+    name="gigpo",
+    fn=gigpo,
+    params=GiGPOParams,
+    paper="Feng, Xue, Liu, An 2025, Group-in-Group Policy Optimization for LLM Agent Training (arXiv:2505.10978)",
+    formula=__doc__.split("\n\n")[2],
+    requires=("state",),
+)

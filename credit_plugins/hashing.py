@@ -1,0 +1,54 @@
+"""Stable 64-bit keys for anchor states and actions.
+
+Python's ``hash()`` is salted per process, so two Ray workers would disagree on it. Keys here are the first
+8 bytes of BLAKE2b over the UTF-8 text, read as a signed little-endian int64: the same text gives the same key
+in every process, on every machine, in every release.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+import numpy as np
+
+__all__ = ["stable_hash", "stable_hash_many", "RESERVED_KEYS"]
+
+#: Keys the StepTable uses for its absorbing boundary nodes (success z+, failure z-). User keys may not take them.
+SUCCESS_KEY = np.int64(-(2**63))
+FAILURE_KEY = np.int64(-(2**63) + 1)
+RESERVED_KEYS = (int(SUCCESS_KEY), int(FAILURE_KEY))
+
+
+def stable_hash(text: str | bytes) -> int:
+    """Stable signed 64-bit key of ``text`` (``str`` is encoded as UTF-8).
+
+    >>> stable_hash("You are in the middle of a room.") == stable_hash("You are in the middle of a room.")
+    True
+    """
+    data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+    key = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+    if key in RESERVED_KEYS:  # 2 values in 2^64; fold them away so boundaries stay unique
+        key += 2
+    return key
+
+
+def stable_hash_many(values: Iterable[object]) -> np.ndarray:
+    """``stable_hash`` of each value as an ``int64`` array. Integers pass through unchanged; ``None`` maps to -1.
+
+    Each *distinct* value is hashed once, so a batch with heavy anchor revisits costs one hash per unique state.
+    """
+    values = list(values)
+    cache: dict[object, int] = {}
+    out = np.empty(len(values), dtype=np.int64)
+    for i, v in enumerate(values):
+        if v is None:
+            out[i] = -1
+        elif isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+            out[i] = int(v)
+        else:
+            k = cache.get(v)
+            if k is None:
+                k = cache[v] = stable_hash(v if isinstance(v, (str, bytes)) else repr(v))
+            out[i] = k
+    return out

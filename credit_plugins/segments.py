@@ -1,0 +1,86 @@
+"""Vectorised segment reductions: the few primitives every estimator is built from.
+
+All work on flat 1-D tensors with a dense segment index in ``[0, n)``; no Python loop runs per row.
+Statistics are taken in float64.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["segment_sum", "segment_mean_std", "group_normalise", "discounted_cumsum", "dense_ids"]
+
+
+def segment_sum(values: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
+    """``out[k] = sum(values[index == k])`` for k in ``[0, n)``."""
+    return torch.zeros(n, dtype=values.dtype).index_add_(0, index, values)
+
+
+def segment_mean_std(values: torch.Tensor, index: torch.Tensor, n: int, ddof: int = 1):
+    """Per-segment ``(mean, std, count)``; std uses ``ddof`` (1 = unbiased, as ``torch.std``).
+
+    Segments with ``count <= ddof`` get std 0 (callers decide what a singleton means). Two-pass, so the
+    variance is not the cancellation-prone ``E[x^2] - E[x]^2``.
+    """
+    v = values.to(torch.float64)
+    count = segment_sum(torch.ones_like(v), index, n)
+    mean = segment_sum(v, index, n) / count.clamp(min=1)
+    dev = v - mean[index]
+    var = segment_sum(dev * dev, index, n) / (count - ddof).clamp(min=1)
+    return mean, var.sqrt(), count
+
+
+def group_normalise(values: torch.Tensor, index: torch.Tensor, n: int, *, norm_std: bool, eps: float,
+                    singleton_mean_zero: bool) -> torch.Tensor:
+    """``(x - mean_g) / (std_g + eps)`` (or ``x - mean_g`` without ``norm_std``) with unbiased std per group.
+
+    A group of one sample has no spread. verl keeps two conventions for it, selected here:
+    ``singleton_mean_zero=True`` uses ``mean=0, std=1`` (verl GRPO / GiGPO episode level: the sample keeps its raw
+    value); ``False`` uses ``mean=x, std=1`` (GiGPO step level: the result is exactly 0).
+    """
+    v = values.to(torch.float64)
+    mean, std, count = segment_mean_std(v, index, n)
+    single = count == 1
+    mean = torch.where(single, torch.zeros_like(mean), mean) if singleton_mean_zero else mean
+    std = torch.where(single, torch.ones_like(std), std)
+    centred = v - mean[index]
+    return centred / (std[index] + eps) if norm_std else centred
+
+
+def discounted_cumsum(values: torch.Tensor, is_last: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Reward-to-go ``R_t = sum_{k >= t} gamma^(k-t) r_k`` within each run of rows that ends at ``is_last``.
+
+    Rows must be sorted by (trajectory, t). Solves the linear recurrence ``R_t = r_t + gamma * R_{t+1}`` with a
+    doubling scan: ``R_i = a_i + b_i * R_{i+s}`` where ``b_i`` is 0 once the run has ended, so each of the
+    ``ceil(log2(T_max))`` passes is one vectorised update over all rows.
+    """
+    a = values.to(torch.float64).clone()
+    b = torch.where(is_last, 0.0, float(gamma)).to(torch.float64)
+    n = a.numel()
+    shift = 1
+    while shift < n and bool((b != 0).any()):
+        a_next = torch.zeros_like(a)
+        b_next = torch.zeros_like(b)
+        a_next[:-shift] = a[shift:]
+        b_next[:-shift] = b[shift:]
+        a = a + b * a_next
+        b = b * b_next
+        shift *= 2
+    return a
+
+
+def dense_ids(*keys: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Dense ids in ``[0, n)`` of the distinct tuples ``(keys[0][i], keys[1][i], ...)`` and their count ``n``.
+
+    Exact (no hash mixing): each key column is first made dense, then the columns are combined positionally.
+    """
+    combined = None
+    for key in keys:
+        _, ids = torch.unique(key, return_inverse=True)
+        if combined is None:
+            combined = ids
+        else:
+            combined = combined * (int(ids.max()) + 1 if ids.numel() else 1) + ids
+            _, combined = torch.unique(combined, return_inverse=True)
+    n = int(combined.max()) + 1 if combined.numel() else 0
+    return combined, n

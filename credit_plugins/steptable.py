@@ -1,0 +1,283 @@
+"""``StepTable``: the one data structure every credit estimator reads.
+
+One row per agent decision (a turn: the model's response to one observation), columnar and 1-D, length S:
+
+=============  =======  ===========================================================================================
+field          dtype    meaning
+=============  =======  ===========================================================================================
+``group``      int64    task group: the G rollouts of one task from one identical initial state (verl ``uid``)
+``traj``       int64    rollout id, unique in the batch
+``t``          int64    0-based step index inside the trajectory
+``state``      int64    anchor key: stable hash of the canonical observation; only compared within a group
+``action``     int64    semantic action key (the parsed command); -1 when unknown or invalid
+``reward``     float32  per-step environment reward r_t
+``success``    bool     terminal success of the trajectory, broadcast to its rows
+``truncated``  bool     trajectory ended by the step limit
+=============  =======  ===========================================================================================
+
+Any column may be given as a tensor, a numpy array or a list. Integer keys are kept; strings (or other hashable
+values) are turned into stable 64-bit keys (:func:`credit_plugins.hashing.stable_hash`). Rows may come in any
+order: the table sorts them by ``(traj, t)`` once, and :meth:`StepTable.to_input_order` puts an estimator's output
+back in the caller's order.
+
+Defaults for optional columns: ``action`` -1 everywhere; ``success`` is ``return > 0`` of the trajectory (the
+ALFWorld/WebShop convention: 10 on success, 0 or a penalty otherwise); ``truncated`` False. ``state`` has no
+default: estimators that need it call :meth:`StepTable.require`, which names the missing field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import torch
+
+from .hashing import FAILURE_KEY, RESERVED_KEYS, SUCCESS_KEY, stable_hash_many
+from .segments import dense_ids, discounted_cumsum, segment_sum
+
+__all__ = ["StepTable", "SUCCESS_KEY", "FAILURE_KEY"]
+
+ArrayLike = torch.Tensor | np.ndarray | Sequence[Any]
+
+
+def _as_keys(name: str, values: ArrayLike) -> torch.Tensor:
+    """int64 key column from integer tensors/arrays, or stable hashes of anything else."""
+    if isinstance(values, torch.Tensor):
+        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+            raise ValueError(f"StepTable.{name} must hold integer or string keys, got a {values.dtype} tensor; "
+                             f"cast it with .long() or pass the original keys")
+        return values.detach().reshape(-1).to(torch.int64).cpu()
+    arr = np.asarray(values) if not isinstance(values, np.ndarray) else values
+    if arr.ndim != 1:
+        arr = arr.reshape(-1) if arr.dtype != object else np.asarray(list(values), dtype=object)
+    if arr.dtype.kind in "iu":
+        return torch.from_numpy(arr.astype(np.int64, copy=False))
+    if arr.dtype.kind == "f":
+        raise ValueError(f"StepTable.{name} must hold integer or string keys, got floats; cast them to int")
+    if arr.dtype.kind == "b":
+        raise ValueError(f"StepTable.{name} must hold integer or string keys, got bools")
+    return torch.from_numpy(stable_hash_many(arr.tolist()))
+
+
+def _as_tensor(name: str, values: ArrayLike, dtype: torch.dtype) -> torch.Tensor:
+    try:
+        if isinstance(values, torch.Tensor):
+            out = values.detach().reshape(-1).cpu()
+        else:
+            arr = np.asarray(values)
+            if arr.dtype == object:
+                arr = arr.astype(np.float64 if dtype.is_floating_point else np.int64)
+            out = torch.from_numpy(np.ascontiguousarray(arr.reshape(-1)))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"StepTable.{name} could not be read as {dtype}: {e}") from None
+    return out.to(dtype)
+
+
+class StepTable:
+    """A batch of agent steps, sorted by ``(traj, t)``, with the derived views estimators share.
+
+    Args:
+        group, traj, t: required; see the module docstring.
+        state, action: anchor and action keys (ints or strings). ``state`` is required by step-level methods.
+        reward: per-step reward r_t. The episode return ``R_i = sum_t r_t`` is what trajectory-level terms use.
+        success, truncated: per-row flags; each must be constant within a trajectory.
+
+    All columns must have the same length S. Errors are ``ValueError`` messages that name the field and the fix.
+    """
+
+    FIELDS = ("group", "traj", "t", "state", "action", "reward", "success", "truncated")
+
+    def __init__(self, *, group: ArrayLike, traj: ArrayLike, t: ArrayLike, reward: ArrayLike,
+                 state: ArrayLike | None = None, action: ArrayLike | None = None,
+                 success: ArrayLike | None = None, truncated: ArrayLike | None = None):
+        cols: dict[str, torch.Tensor | None] = {
+            "group": _as_keys("group", group),
+            "traj": _as_keys("traj", traj),
+            "t": _as_tensor("t", t, torch.int64),
+            "state": None if state is None else _as_keys("state", state),
+            "action": None if action is None else _as_keys("action", action),
+            "reward": _as_tensor("reward", reward, torch.float32),
+            "success": None if success is None else _as_tensor("success", success, torch.bool),
+            "truncated": None if truncated is None else _as_tensor("truncated", truncated, torch.bool),
+        }
+        n = cols["traj"].numel()
+        for name, col in cols.items():
+            if col is not None and col.numel() != n:
+                raise ValueError(f"StepTable.{name} has {col.numel()} rows but traj has {n}; every column needs one "
+                                 f"entry per step row")
+        self._given = frozenset(k for k, v in cols.items() if v is not None)
+        bad = ~torch.isfinite(cols["reward"])
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"StepTable.reward has {int(bad.sum())} non-finite value(s), first at input row {i} "
+                             f"(= {float(cols['reward'][i])}); replace NaN/inf rewards (e.g. with the env's failure "
+                             f"reward) before building the table")
+        if cols["state"] is not None:
+            for key in RESERVED_KEYS:
+                if bool((cols["state"] == key).any()):
+                    raise ValueError(f"StepTable.state uses the reserved boundary key {key}; hash states with "
+                                     f"credit_plugins.stable_hash, which never returns it")
+
+        # one sort by (traj, t); `order[p]` is the input row at sorted position p
+        traj_ids, n_traj = dense_ids(cols["traj"])
+        t_col = cols["t"]
+        if n and int(t_col.min()) < 0:
+            raise ValueError("StepTable.t has negative step indices; t is the 0-based step index in a trajectory")
+        span = int(t_col.max()) + 1 if n else 1
+        order = torch.sort(traj_ids * span + t_col, stable=True).indices
+        self.order = order
+        self.n_steps = n
+        self.n_traj = n_traj
+        self.row_traj = traj_ids[order]
+        for name, col in cols.items():
+            setattr(self, "_" + name, None if col is None else col[order])
+
+        self._validate_trajectories()
+        self.row_group, self.n_groups = dense_ids(self._group)
+        self.traj_group = torch.empty(n_traj, dtype=torch.int64)
+        self.traj_group[self.row_traj] = self.row_group
+        if bool((self.traj_group[self.row_traj] != self.row_group).any()):
+            i = int((self.traj_group[self.row_traj] != self.row_group).nonzero()[0])
+            raise ValueError(f"StepTable.group: trajectory {int(self._traj[i])} spans two groups; every row of a "
+                             f"trajectory must carry the group (uid) of its task")
+        for name in ("success", "truncated"):
+            col = getattr(self, "_" + name)
+            if col is not None:
+                first = col[self.first_row]
+                if bool((first[self.row_traj] != col).any()):
+                    i = int((first[self.row_traj] != col).nonzero()[0])
+                    raise ValueError(f"StepTable.{name} changes inside trajectory {int(self._traj[i])}; it is a "
+                                     f"per-trajectory flag, broadcast the final value to every row")
+
+    # ---- validation -------------------------------------------------------------------------------------------
+    def _validate_trajectories(self) -> None:
+        if self.n_steps == 0:
+            return
+        t = self._t
+        new_traj = torch.ones(self.n_steps, dtype=torch.bool)
+        new_traj[1:] = self.row_traj[1:] != self.row_traj[:-1]
+        expected = torch.zeros_like(t)
+        expected[1:] = t[:-1] + 1
+        expected[new_traj] = 0
+        wrong = t != expected
+        if bool(wrong.any()):
+            i = int(wrong.nonzero()[0])
+            traj = int(self._traj[i])
+            if not bool(new_traj[i]) and int(t[i]) == int(t[i - 1]):
+                raise ValueError(f"StepTable: duplicate (traj, t) = ({traj}, {int(t[i])}); each step of a trajectory "
+                                 f"must appear once (check that rows were not gathered twice)")
+            raise ValueError(f"StepTable.t of trajectory {traj} jumps to {int(t[i])} where {int(expected[i])} was "
+                             f"expected; t must run 0, 1, 2, ... without gaps (keep every step of the rollout, or "
+                             f"renumber after filtering)")
+
+    def require(self, *fields: str, by: str = "this estimator") -> None:
+        """Raise ``ValueError`` naming each of ``fields`` that was not given at construction."""
+        missing = [f for f in fields if f not in self._given]
+        if missing:
+            raise ValueError(f"{by} needs StepTable field(s) {missing}; pass them to StepTable(...) (in verl: set "
+                             f"them in each AgentLoopOutput's extra_fields, see credit_plugins.verl)")
+
+    # ---- columns (sorted by (traj, t)) ---------------------------------------------------------------------
+    @property
+    def group(self) -> torch.Tensor:
+        return self._group
+
+    @property
+    def traj(self) -> torch.Tensor:
+        return self._traj
+
+    @property
+    def t(self) -> torch.Tensor:
+        return self._t
+
+    @property
+    def state(self) -> torch.Tensor:
+        self.require("state")
+        return self._state
+
+    @property
+    def reward(self) -> torch.Tensor:
+        return self._reward
+
+    @cached_property
+    def action(self) -> torch.Tensor:
+        return self._action if self._action is not None else torch.full((self.n_steps,), -1, dtype=torch.int64)
+
+    @cached_property
+    def success(self) -> torch.Tensor:
+        if self._success is not None:
+            return self._success
+        return (self.returns > 0)[self.row_traj]
+
+    @cached_property
+    def truncated(self) -> torch.Tensor:
+        if self._truncated is not None:
+            return self._truncated
+        return torch.zeros(self.n_steps, dtype=torch.bool)
+
+    # ---- derived views ----------------------------------------------------------------------------------------
+    @cached_property
+    def is_last(self) -> torch.Tensor:
+        """[S] bool: the row is the final step of its trajectory."""
+        out = torch.ones(self.n_steps, dtype=torch.bool)
+        out[:-1] = self.row_traj[:-1] != self.row_traj[1:]
+        return out
+
+    @cached_property
+    def first_row(self) -> torch.Tensor:
+        """[N] sorted-row index of each trajectory's step 0."""
+        return (self._t == 0).nonzero().reshape(-1)
+
+    @cached_property
+    def traj_len(self) -> torch.Tensor:
+        """[N] number of steps of each trajectory."""
+        return torch.bincount(self.row_traj, minlength=self.n_traj)
+
+    @cached_property
+    def returns(self) -> torch.Tensor:
+        """[N] float64 episode return ``R_i = sum_t r_t`` per trajectory."""
+        return segment_sum(self._reward.to(torch.float64), self.row_traj, self.n_traj)
+
+    @cached_property
+    def traj_success(self) -> torch.Tensor:
+        """[N] bool terminal success per trajectory."""
+        return self.success[self.first_row]
+
+    def reward_to_go(self, gamma: float) -> torch.Tensor:
+        """[S] float64 discounted return ``R_t = sum_{k>=t} gamma^(k-t) r_k`` within each trajectory."""
+        return discounted_cumsum(self._reward, self.is_last, gamma)
+
+    @cached_property
+    def next_state(self) -> torch.Tensor:
+        """[S] anchor key of the next row of the same trajectory; at the last row the absorbing boundary:
+        ``SUCCESS_KEY`` (z+) if the trajectory succeeded, ``FAILURE_KEY`` (z-) if it failed or was truncated."""
+        state = self.state
+        nxt = torch.empty_like(state)
+        nxt[:-1] = state[1:]
+        terminal = torch.where(self.success & ~self.truncated, SUCCESS_KEY.item(), FAILURE_KEY.item())
+        return torch.where(self.is_last, terminal, nxt)
+
+    @cached_property
+    def anchor(self) -> tuple[torch.Tensor, int]:
+        """Dense ids of the anchor groups ``(group, state)`` and their count: GiGPO's step groups (Eq. 6)."""
+        return dense_ids(self.row_group, self.state)
+
+    @cached_property
+    def inverse(self) -> torch.Tensor:
+        """[S] sorted position of each input row (the inverse of ``order``)."""
+        inv = torch.empty_like(self.order)
+        inv[self.order] = torch.arange(self.n_steps)
+        return inv
+
+    def to_input_order(self, values: torch.Tensor) -> torch.Tensor:
+        """Reorder a per-row result (first dim S, in sorted order) back to the rows' input order."""
+        return values[self.inverse]
+
+    def __len__(self) -> int:
+        return self.n_steps
+
+    def __repr__(self) -> str:
+        return (f"StepTable(steps={self.n_steps}, trajectories={self.n_traj}, groups={self.n_groups}, "
+                f"fields={sorted(self._given)})")
