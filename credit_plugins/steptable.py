@@ -83,6 +83,10 @@ class StepTable:
         state, action: anchor and action keys (ints or strings). ``state`` is required by step-level methods.
         reward: per-step reward r_t. The episode return ``R_i = sum_t r_t`` is what trajectory-level terms use.
         success, truncated: per-row flags; each must be constant within a trajectory.
+        extras: optional blocks for the methods that need them, ``{name: column}`` with first dimension S:
+            string/object columns become stable int64 keys (e.g. MVPO's ``signature``), numeric ones stay tensors
+            (``[S]`` or ``[S, ...]``, e.g. ``milestones`` ``[S, M]`` or token-level ``logp_old`` ``[S, L]``).
+            Read them back, sorted like every column, with :meth:`extra`.
 
     All columns must have the same length S. Errors are ``ValueError`` messages that name the field and the fix.
     """
@@ -91,7 +95,8 @@ class StepTable:
 
     def __init__(self, *, group: ArrayLike, traj: ArrayLike, t: ArrayLike, reward: ArrayLike,
                  state: ArrayLike | None = None, action: ArrayLike | None = None,
-                 success: ArrayLike | None = None, truncated: ArrayLike | None = None):
+                 success: ArrayLike | None = None, truncated: ArrayLike | None = None,
+                 extras: dict[str, ArrayLike] | None = None):
         cols: dict[str, torch.Tensor | None] = {
             "group": _as_keys("group", group),
             "traj": _as_keys("traj", traj),
@@ -107,7 +112,19 @@ class StepTable:
             if col is not None and col.numel() != n:
                 raise ValueError(f"StepTable.{name} has {col.numel()} rows but traj has {n}; every column needs one "
                                  f"entry per step row")
-        self._given = frozenset(k for k, v in cols.items() if v is not None)
+        self._extras: dict[str, torch.Tensor] = {}
+        for name, col in (extras or {}).items():
+            if isinstance(col, torch.Tensor):
+                col = col.detach().cpu()
+            else:
+                arr = np.asarray(col) if not isinstance(col, np.ndarray) else col
+                col = (_as_keys(f"extras[{name!r}]", arr) if arr.dtype.kind in "OUSb" and arr.ndim == 1
+                       else torch.from_numpy(np.ascontiguousarray(arr)))
+            if col.ndim == 0 or col.shape[0] != n:
+                raise ValueError(f"StepTable.extras[{name!r}] has first dimension "
+                                 f"{tuple(col.shape)[:1] or '()'} but traj has {n} rows; give one entry per step row")
+            self._extras[name] = col
+        self._given = frozenset(k for k, v in cols.items() if v is not None) | frozenset(self._extras)
         bad = ~torch.isfinite(cols["reward"])
         if bool(bad.any()):
             i = int(bad.nonzero()[0])
@@ -133,6 +150,7 @@ class StepTable:
         self.row_traj = traj_ids[order]
         for name, col in cols.items():
             setattr(self, "_" + name, None if col is None else col[order])
+        self._extras = {name: col[order] for name, col in self._extras.items()}
 
         self._validate_trajectories()
         self.row_group, self.n_groups = dense_ids(self._group)
@@ -178,6 +196,13 @@ class StepTable:
         if missing:
             raise ValueError(f"{by} needs StepTable field(s) {missing}; pass them to StepTable(...) (in verl: set "
                              f"them in each AgentLoopOutput's extra_fields, see credit_plugins.verl)")
+
+    def extra(self, name: str) -> torch.Tensor:
+        """The optional block ``name`` given in ``extras``, sorted by ``(traj, t)`` like every column."""
+        if name not in self._extras:
+            raise ValueError(f"StepTable has no extras[{name!r}]; pass extras={{{name!r}: ...}} to StepTable(...) "
+                             f"(given: {sorted(self._extras)})")
+        return self._extras[name]
 
     # ---- columns (sorted by (traj, t)) ---------------------------------------------------------------------
     @property
