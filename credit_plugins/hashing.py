@@ -33,10 +33,24 @@ def stable_hash(text: str | bytes) -> int:
     return key
 
 
+def canonical_bytes(value: object) -> bytes:
+    """Bytes that identify ``value``: UTF-8 of a string, raw bytes, an array's dtype, shape and buffer, a dict's
+    items in key order (verl-agent's ``to_hashable``), or the ``repr`` of anything else (ints, tuples, ...)."""
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    if isinstance(value, np.ndarray):
+        return f"ndarray:{value.dtype.str}:{value.shape}:".encode() + np.ascontiguousarray(value).tobytes()
+    if isinstance(value, dict):
+        return b"dict:" + b"|".join(canonical_bytes(k) + b"=" + canonical_bytes(value[k]) for k in sorted(value, key=str))
+    return repr(value).encode("utf-8")
+
+
 def stable_hash_many(values: Iterable[object]) -> np.ndarray:
     """``stable_hash`` of each value as an ``int64`` array. Integers pass through unchanged; ``None`` maps to -1.
 
-    Each *distinct* value is hashed once, so a batch with heavy anchor revisits costs one hash per unique state.
+    Each distinct string is hashed once, so a batch with heavy anchor revisits costs one hash per unique state.
     """
     values = list(values)
     cache: dict[object, int] = {}
@@ -44,11 +58,13 @@ def stable_hash_many(values: Iterable[object]) -> np.ndarray:
     for i, v in enumerate(values):
         if v is None:
             out[i] = -1
-        elif isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+        elif isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
             out[i] = int(v)
-        else:
+        elif isinstance(v, (str, bytes)):
             k = cache.get(v)
             if k is None:
-                k = cache[v] = stable_hash(v if isinstance(v, (str, bytes)) else repr(v))
+                k = cache[v] = stable_hash(v)
             out[i] = k
+        else:
+            out[i] = stable_hash(canonical_bytes(v))
     return out

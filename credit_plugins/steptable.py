@@ -49,16 +49,21 @@ def _as_keys(name: str, values: ArrayLike) -> torch.Tensor:
             raise ValueError(f"StepTable.{name} must hold integer or string keys, got a {values.dtype} tensor; "
                              f"cast it with .long() or pass the original keys")
         return values.detach().reshape(-1).to(torch.int64).cpu()
-    arr = np.asarray(values) if not isinstance(values, np.ndarray) else values
-    if arr.ndim != 1:
-        arr = arr.reshape(-1) if arr.dtype != object else np.asarray(list(values), dtype=object)
-    if arr.dtype.kind in "iu":
-        return torch.from_numpy(arr.astype(np.int64, copy=False))
-    if arr.dtype.kind == "f":
+    if not isinstance(values, np.ndarray):  # a Python sequence: ints, strings, None, arrays or dicts per row
+        values = list(values)
+        if all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in values):
+            return torch.tensor(values, dtype=torch.int64)
+        return torch.from_numpy(stable_hash_many(values))
+    if values.ndim != 1:
+        raise ValueError(f"StepTable.{name} must be 1-D (one key per row), got shape {values.shape}; pass a list "
+                         f"with one key (str, int, array or dict) per row")
+    if values.dtype.kind in "iu":
+        return torch.from_numpy(values.astype(np.int64, copy=False))
+    if values.dtype.kind in "fc":
         raise ValueError(f"StepTable.{name} must hold integer or string keys, got floats; cast them to int")
-    if arr.dtype.kind == "b":
+    if values.dtype.kind == "b":
         raise ValueError(f"StepTable.{name} must hold integer or string keys, got bools")
-    return torch.from_numpy(stable_hash_many(arr.tolist()))
+    return torch.from_numpy(stable_hash_many(values.tolist()))
 
 
 def _as_tensor(name: str, values: ArrayLike, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,89 @@
+"""The functions verl calls: one per agentcredit estimator, with verl's advantage-estimator signature.
+
+``compute_advantage`` calls ``fn(token_level_rewards, response_mask, index, config)``; the step metadata is not in
+those arguments. The trainer hooks (:mod:`credit_plugins.verl.hooks`) publish it for the duration of the call in
+the context variable :data:`CURRENT`, aligned with the batch rows. If a future verl forwards ``non_tensor_batch``
+(verl-project/verl#7473) it is read from there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..estimator import Estimator
+from .contract import RowMeta, build_step_table, missing_fields_message
+
+CURRENT: contextvars.ContextVar[RowMeta | None] = contextvars.ContextVar("agentcredit_row_meta", default=None)
+
+
+@contextlib.contextmanager
+def publish(meta: RowMeta | None) -> Iterator[RowMeta | None]:
+    """Make ``meta`` visible to the estimator functions called inside the block (no-op for ``None``)."""
+    if meta is None:
+        yield CURRENT.get()
+        return
+    token = CURRENT.set(meta)
+    try:
+        yield meta
+    finally:
+        CURRENT.reset(token)
+
+
+def estimator_params(config: Any, name: str) -> dict[str, Any]:
+    """``algorithm.<name>.*`` of verl's algorithm config (a DictConfig, a dict or None) as a plain dict."""
+    if config is None:
+        return {}
+    sub = config.get(name, None) if hasattr(config, "get") else getattr(config, name, None)
+    if sub is None:
+        return {}
+    if not isinstance(sub, Mapping):
+        try:
+            from omegaconf import OmegaConf
+
+            sub = OmegaConf.to_container(sub, resolve=True)
+        except Exception as e:  # pragma: no cover - only for exotic config objects
+            raise ValueError(f"algorithm.{name} must be a mapping of parameters, got {type(sub).__name__}") from e
+    return dict(sub)
+
+
+def make_verl_estimator(estimator: Estimator):
+    """A verl advantage-estimator function that runs ``estimator`` on the batch's steps."""
+
+    def compute(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: np.ndarray | None = None,
+                config: Any = None, non_tensor_batch: Mapping[str, np.ndarray] | None = None, **_: Any):
+        params = estimator_params(config, estimator.name)
+        p = estimator.make_params(**params)  # fail on a typo before touching the batch
+        meta = CURRENT.get()
+        if meta is None and non_tensor_batch is not None:
+            meta = RowMeta.from_non_tensor_batch(non_tensor_batch)
+        if meta is None:
+            raise ValueError(missing_fields_message(estimator.name, ["step_idx", "anchor_key", "traj_uid"]) +
+                             " (no agentcredit metadata reached the estimator: is credit_plugins.verl loaded in the "
+                             "trainer process? set VERL_USE_EXTERNAL_MODULES=credit_plugins.verl to see why not)")
+        if index is None:
+            raise ValueError("verl passed no `index` (uid) to the estimator; the batch needs a 'uid' column")
+        extras = getattr(estimator.params, "VERL_EXTRAS", ())
+        steps, keep = build_step_table(meta, token_level_rewards, index, estimator.requires, estimator.name, extras)
+        per_step = estimator(steps, **vars(p))
+        scores = torch.zeros(token_level_rewards.shape[0], dtype=torch.float32)
+        scores[torch.as_tensor(keep, dtype=torch.long)] = per_step
+        meta.stats.update({
+            "agentcredit/steps": float(steps.n_steps),
+            "agentcredit/trajectories": float(steps.n_traj),
+            "agentcredit/padding_rows": float(meta.is_padding.sum()),
+            "agentcredit/adv_mean": float(per_step.mean()) if steps.n_steps else 0.0,
+            "agentcredit/adv_abs_mean": float(per_step.abs().mean()) if steps.n_steps else 0.0,
+        })
+        adv = scores.to(response_mask.device).unsqueeze(-1) * response_mask
+        return adv, adv
+
+    compute.__name__ = f"agentcredit_{estimator.name}"
+    compute.__doc__ = estimator.describe()
+    compute.agentcredit_estimator = estimator
+    return compute

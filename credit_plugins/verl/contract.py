@@ -1,0 +1,138 @@
+"""The step-metadata contract between an agent loop and the credit estimators, and the StepTable it builds.
+
+verl 0.9.1 hands a registered advantage estimator only ``token_level_rewards, response_mask, index, config``.
+The step metadata travels in each row's ``AgentLoopOutput.extra_fields`` under these keys:
+
+==================  ========================  ===================================================================
+key                 type                      meaning (default when absent)
+==================  ========================  ===================================================================
+``step_idx``        int                       0-based step of this row in its trajectory (v1: the ``_{i}`` suffix
+                                              of the TransferQueue key, i.e. the index in the AgentLoop's output
+                                              list)
+``anchor_key``      str | int                 canonical state the action was taken in, without history; required
+                                              by step-level estimators (gigpo, graphhca, crbc, mvpo)
+``action_key``      str | int | None          the parsed semantic action; None when invalid (-1)
+``step_reward``     float                     env reward of this step, the final reward included on the last step
+                                              (0 on every step but the last, which gets the row's reward score)
+``success``         bool                      terminal success of the trajectory (its reward score > 0)
+``truncated``       bool                      the trajectory hit the step limit (False)
+``traj_uid``        str                       rollout id (v1: ``{uid}_{session_id}`` from the TransferQueue key;
+                                              required on the legacy trainer)
+==================  ========================  ===================================================================
+
+Any further ``extra_fields`` key named in ``EXTRA_BLOCKS`` of an estimator (e.g. MVPO's ``signature``) is passed as a
+StepTable ``extras`` column. Rows tagged ``is_padding`` (verl's batch balancing) are dropped and get advantage 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..steptable import StepTable
+
+STEP_IDX, ANCHOR, ACTION, STEP_REWARD, SUCCESS, TRUNCATED, TRAJ = (
+    "step_idx", "anchor_key", "action_key", "step_reward", "success", "truncated", "traj_uid")
+CONTRACT_KEYS = (STEP_IDX, ANCHOR, ACTION, STEP_REWARD, SUCCESS, TRUNCATED, TRAJ)
+# StepTable fields an estimator may require, and the extra_fields key that carries each
+FIELD_TO_KEY = {"state": ANCHOR, "action": ACTION, "success": SUCCESS, "truncated": TRUNCATED}
+
+
+@dataclass
+class RowMeta:
+    """Per-row metadata of one verl batch, aligned with its rows (v1: with ``KVBatchMeta.keys``)."""
+
+    columns: dict[str, list[Any]]
+    is_padding: np.ndarray
+    source: str
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.is_padding)
+
+    @classmethod
+    def from_v1(cls, keys: Sequence[str], tags: Sequence[Mapping[str, Any]] | None,
+                extra_fields: Sequence[Mapping[str, Any] | None]) -> RowMeta:
+        """From TransferQueue keys ``{uid}_{session}_{i}``, their tags and the rows' ``extra_fields`` dicts."""
+        rows = [dict(r or {}) for r in extra_fields]
+        columns = _columns(rows)
+        split = [k.rsplit("_", 2) for k in keys]
+        if any(len(s) != 3 for s in split):
+            bad = next(k for k, s in zip(keys, split) if len(s) != 3)
+            raise ValueError(f"verl batch key {bad!r} is not '{{uid}}_{{session_id}}_{{index}}'; verl's v1 agent-loop "
+                             f"key format changed, pin verl>=0.9.1,<0.10")
+        columns.setdefault(TRAJ, [f"{u}_{s}" for u, s, _ in split])
+        columns.setdefault(STEP_IDX, [int(i) for _, _, i in split])
+        pad = np.array([bool((tag or {}).get("is_padding", False)) for tag in (tags or [{}] * len(keys))])
+        return cls(columns=columns, is_padding=pad, source="v1 extra_fields")
+
+    @classmethod
+    def from_non_tensor_batch(cls, non_tensor_batch: Mapping[str, np.ndarray]) -> RowMeta | None:
+        """From a legacy ``DataProto.non_tensor_batch`` (one column per ``extra_fields`` key); None if it has none."""
+        present = [k for k in CONTRACT_KEYS if k in non_tensor_batch]
+        if not present:
+            return None
+        n = len(next(iter(non_tensor_batch.values())))
+        columns = {k: list(non_tensor_batch[k]) for k in non_tensor_batch if k not in ("uid",)}
+        pad = np.asarray(non_tensor_batch.get("is_padding", np.zeros(n, dtype=bool)), dtype=bool)
+        return cls(columns=columns, is_padding=pad, source="non_tensor_batch")
+
+
+def _columns(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    keys = sorted({k for r in rows for k in r})
+    out: dict[str, list[Any]] = {}
+    for k in keys:
+        if all(k in r for r in rows):
+            out[k] = [r[k] for r in rows]
+        elif k in CONTRACT_KEYS:
+            missing = next(i for i, r in enumerate(rows) if k not in r)
+            raise ValueError(f"extra_fields[{k!r}] is set on some rows but not on row {missing}; set it on every "
+                             f"AgentLoopOutput of the batch, or on none")
+    return out
+
+
+def missing_fields_message(estimator: str, missing: Sequence[str]) -> str:
+    return (f"agentcredit estimator {estimator!r} needs per-step metadata that this verl batch does not carry: "
+            f"set extra_fields {list(missing)} on every AgentLoopOutput (one output per step), e.g. "
+            f"AgentLoopOutput(..., extra_fields={{'anchor_key': canonical_obs, 'step_idx': t, 'action_key': "
+            f"parsed_action}}). env_adapters' agent loop does this; see credit_plugins.verl.contract")
+
+
+def build_step_table(meta: RowMeta, token_level_rewards: torch.Tensor, uid: Sequence[Any],
+                     requires: Sequence[str], estimator: str, extras: Sequence[str] = ()) -> tuple[StepTable, np.ndarray]:
+    """StepTable of the non-padding rows, and the indices (into the batch) of those rows."""
+    n = token_level_rewards.shape[0]
+    if len(meta) != n:
+        raise ValueError(f"agentcredit: metadata for {len(meta)} rows ({meta.source}) but the batch has {n} rows; "
+                         f"the rows were reordered or filtered between the agent loop and compute_advantage")
+    cols = meta.columns
+    missing = [FIELD_TO_KEY[f] for f in requires if f in FIELD_TO_KEY and FIELD_TO_KEY[f] not in cols]
+    missing += [k for k in (TRAJ, STEP_IDX) if k not in cols]
+    missing += [e for e in extras if e not in cols]
+    if missing:
+        raise ValueError(missing_fields_message(estimator, missing))
+    keep = np.flatnonzero(~meta.is_padding)
+
+    def col(key: str) -> list[Any] | None:
+        return None if key not in cols else [cols[key][i] for i in keep]
+
+    score = token_level_rewards.detach().to(torch.float64).sum(-1).cpu()[torch.as_tensor(keep, dtype=torch.long)]
+    t = np.asarray(col(STEP_IDX), dtype=np.int64)
+    traj = col(TRAJ)
+    if STEP_REWARD in cols:
+        reward = np.asarray(col(STEP_REWARD), dtype=np.float64)
+    else:  # the outcome reward on the last step of each trajectory, 0 before it
+        traj_ids = np.unique(np.asarray(traj, dtype=object).astype(str), return_inverse=True)[1]
+        last_t = np.full(traj_ids.max() + 1 if len(t) else 0, -1, dtype=np.int64)
+        np.maximum.at(last_t, traj_ids, t)
+        reward = np.where(t == last_t[traj_ids], score.numpy(), 0.0)
+    steps = StepTable(
+        group=[str(uid[i]) for i in keep], traj=[str(x) for x in traj], t=t, reward=reward,
+        state=col(ANCHOR), action=col(ACTION), success=col(SUCCESS), truncated=col(TRUNCATED),
+        extras={e: col(e) for e in extras} or None,
+    )
+    return steps, keep

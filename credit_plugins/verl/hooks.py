@@ -1,0 +1,132 @@
+"""Lazy wraps of verl's advantage step, so per-step metadata reaches our estimators.
+
+* v1 trainer (``trainer.use_v1=True``, the default): ``PPOTrainer._compute_advantage(self, batch, metrics)`` fetches
+  only 7 TransferQueue fields. The wrap also fetches each row's ``extra_fields`` (``tq.kv_batch_get(...,
+  select_fields=["extra_fields"])``, the idiom verl itself uses in ``trainer_base.py``), reads the trajectory and
+  step from the row keys ``{uid}_{session}_{i}`` and padding from ``batch.tags``, and publishes them.
+* legacy and separation trainers: ``compute_advantage(data, adv_estimator, ...)`` (two module bindings) gets the
+  ``extra_fields`` columns from ``data.non_tensor_batch``.
+
+Each wrap acts only when the estimator is one of ours; every other run goes straight to verl's code. They are
+installed when verl imports the module (``wrapt.when_imported``), so ``import verl`` stays cheap, and each checks
+that the verl internal it wraps still has the shape it needs, failing loudly when it does not.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from typing import Any
+
+from .adapter import publish
+from .contract import RowMeta
+
+logger = logging.getLogger("agentcredit")
+OURS: set[str] = set()  # names whose verl registration points at our adapter
+
+
+class VerlInternalsChanged(RuntimeError):
+    """verl no longer has the internal function or signature the bridge wraps."""
+
+
+def _check(obj: Any, what: str, params: tuple[str, ...]) -> None:
+    if obj is None:
+        raise VerlInternalsChanged(f"agentcredit: verl has no {what}; this bridge supports verl>=0.9.1,<0.10")
+    names = list(inspect.signature(obj).parameters)
+    if names[: len(params)] != list(params):
+        raise VerlInternalsChanged(f"agentcredit: verl's {what} takes {names}, expected the first to be "
+                                   f"{list(params)}; this bridge supports verl>=0.9.1,<0.10")
+
+
+def _name(adv_estimator: Any) -> str:
+    return getattr(adv_estimator, "value", adv_estimator)
+
+
+def wrap_compute_advantage(orig):
+    """Wrap ``compute_advantage(data, adv_estimator, ...)`` to publish ``data.non_tensor_batch`` metadata."""
+    if getattr(orig, "_agentcredit", False):
+        return orig
+    _check(orig, "compute_advantage(data, adv_estimator, ...)", ("data", "adv_estimator"))
+
+    @functools.wraps(orig)
+    def compute_advantage(data, adv_estimator, *args, **kwargs):
+        if _name(adv_estimator) not in OURS:
+            return orig(data, adv_estimator, *args, **kwargs)
+        with publish(RowMeta.from_non_tensor_batch(data.non_tensor_batch)):
+            return orig(data, adv_estimator, *args, **kwargs)
+
+    compute_advantage._agentcredit = True
+    return compute_advantage
+
+
+def wrap_v1_compute_advantage(orig):
+    """Wrap ``PPOTrainer._compute_advantage(self, batch, metrics)`` to publish the rows' ``extra_fields``."""
+    if getattr(orig, "_agentcredit", False):
+        return orig
+    _check(orig, "PPOTrainer._compute_advantage(self, batch, metrics)", ("self", "batch", "metrics"))
+    import transfer_queue as tq
+
+    _check(getattr(tq, "kv_batch_get", None), "transfer_queue.kv_batch_get(keys, partition_id, select_fields)",
+           ("keys", "partition_id", "select_fields"))
+
+    @functools.wraps(orig)
+    def _compute_advantage(self, batch, metrics):
+        if _name(self.config.algorithm.adv_estimator) not in OURS:
+            return orig(self, batch, metrics)
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["extra_fields"])
+        rows = data["extra_fields"]
+        rows = rows.tolist() if hasattr(rows, "tolist") else list(rows)
+        meta = RowMeta.from_v1(list(batch.keys), list(batch.tags) if batch.tags is not None else None, rows)
+        with publish(meta):
+            out = orig(self, batch, metrics)
+        metrics.update(meta.stats)
+        return out
+
+    _compute_advantage._agentcredit = True
+    return _compute_advantage
+
+
+def _patch_ray_trainer(module) -> None:
+    module.compute_advantage = wrap_compute_advantage(module.compute_advantage)
+
+
+def _patch_separation(module) -> None:
+    module.compute_advantage = wrap_compute_advantage(module.compute_advantage)
+
+
+def _patch_v1_utils(module) -> None:
+    module.compute_advantage = wrap_compute_advantage(module.compute_advantage)
+
+
+def _patch_v1_trainer(module) -> None:
+    cls = module.PPOTrainer
+    cls._compute_advantage = wrap_v1_compute_advantage(cls.__dict__.get("_compute_advantage"))
+
+
+TARGETS = {
+    "verl.trainer.ppo.ray_trainer": _patch_ray_trainer,
+    "verl.experimental.separation.ray_trainer": _patch_separation,
+    "verl.trainer.ppo.v1.utils": _patch_v1_utils,
+    "verl.trainer.ppo.v1.trainer_base": _patch_v1_trainer,
+}
+
+
+def _loud(patch):
+    @functools.wraps(patch)
+    def run(module):
+        try:
+            patch(module)
+        except Exception:
+            logger.exception("agentcredit: could not hook %s; step-level estimators will not get their metadata",
+                             module.__name__)
+            raise
+    return run
+
+
+def install() -> None:
+    """Register the post-import hooks (they run at once for modules already imported)."""
+    import wrapt
+
+    for module_name, patch in TARGETS.items():
+        wrapt.register_post_import_hook(_loud(patch), module_name)
