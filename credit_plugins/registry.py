@@ -14,7 +14,7 @@ import pluggy
 
 from . import hookspecs
 
-__all__ = ["plugin_manager", "register_plugin", "collect", "get", "available", "describe"]
+__all__ = ["plugin_manager", "register_plugin", "unregister_plugin", "collect", "get", "available", "describe"]
 
 _BUILTINS = {"builtin": "credit_plugins.estimators"}
 
@@ -37,6 +37,12 @@ def register_plugin(plugin: object, name: str | None = None) -> str:
     out = pm.register(plugin, name=name)
     _collect.cache_clear()
     return out
+
+
+def unregister_plugin(name: str) -> None:
+    """Remove the plugin registered as ``name`` (the inverse of :func:`register_plugin`)."""
+    plugin_manager().unregister(name=name)
+    _collect.cache_clear()
 
 
 def _provider(pm: pluggy.PluginManager, plugin_name: str) -> str:

@@ -1,0 +1,133 @@
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+
+from credit_plugins import StepTable, stable_hash
+from credit_plugins.hashing import RESERVED_KEYS, stable_hash_many
+from credit_plugins.segments import discounted_cumsum
+from credit_plugins.steptable import FAILURE_KEY, SUCCESS_KEY
+
+from .strategies import columns, step_batches
+
+
+def small(**over):
+    cols = dict(group=["g", "g", "g", "g", "g"], traj=["a", "a", "b", "b", "b"], t=[1, 0, 0, 1, 2],
+                state=["x", "s", "s", "y", "z"], reward=[10.0, 0.0, 0.0, 0.0, 0.0])
+    cols.update(over)
+    return StepTable(**cols)
+
+
+def test_stable_hash_is_fixed_across_processes_and_releases():
+    # blake2b-64 little-endian; pinned so a change of hash function (which would silently split anchor groups
+    # between old and new workers) fails here
+    assert stable_hash("kitchen|apple") == stable_hash("kitchen|apple")
+    assert stable_hash("") == int.from_bytes(bytes.fromhex("e4a6a0577479b2b4"), "little", signed=True)
+    assert stable_hash("a") != stable_hash("b")
+
+
+def test_stable_hash_many_keeps_ints_maps_none_and_hashes_arrays_by_content():
+    out = stable_hash_many([3, None, "s", np.arange(3), np.arange(3), {"b": 1, "a": 2}, {"a": 2, "b": 1}])
+    assert out[0] == 3 and out[1] == -1 and out[2] == stable_hash("s")
+    assert out[3] == out[4] and out[5] == out[6]
+    assert stable_hash_many([np.arange(3)])[0] != stable_hash_many([np.arange(3).astype(np.int32)])[0]
+    assert not set(out.tolist()) & set(RESERVED_KEYS)
+
+
+@pytest.mark.parametrize("kind", ["list", "numpy", "torch"])
+def test_construction_from_lists_arrays_and_tensors_agree(kind):
+    conv = {"list": list, "numpy": np.asarray, "torch": torch.as_tensor}[kind]
+    steps = StepTable(group=conv([0, 0, 1]), traj=conv([5, 5, 7]), t=conv([1, 0, 0]), state=conv([11, 10, 10]),
+                      reward=conv([1.0, 0.0, 0.0]))
+    assert steps.traj.tolist() == [5, 5, 7] and steps.t.tolist() == [0, 1, 0]
+    assert steps.state.tolist() == [10, 11, 10]
+    assert steps.reward.dtype == torch.float32
+
+
+def test_sorts_by_traj_then_t_and_restores_input_order():
+    steps = small()
+    assert steps.t.tolist() == [0, 1, 0, 1, 2]
+    assert steps.order.tolist() == [1, 0, 2, 3, 4]
+    sorted_values = torch.arange(5.0)
+    back = steps.to_input_order(sorted_values)
+    assert back.tolist() == [1.0, 0.0, 2.0, 3.0, 4.0]
+    assert torch.equal(steps.order[steps.inverse], torch.arange(5))
+
+
+def test_successor_keys_end_in_absorbing_boundaries():
+    steps = small(truncated=[False, False, True, True, True])
+    x, s, y, z = (stable_hash(k) for k in "xsyz")
+    # a: s -> x -> z+ (return 10 > 0: success); b: s -> y -> z -> z- (truncated)
+    assert steps.next_state.tolist() == [x, int(SUCCESS_KEY), y, z, int(FAILURE_KEY)]
+
+
+def test_truncated_success_goes_to_failure_boundary():
+    steps = small(success=[True] * 5, truncated=[True] * 5)
+    assert steps.next_state[steps.is_last].tolist() == [int(FAILURE_KEY)] * 2
+
+
+def test_returns_lengths_groups_and_success_default():
+    steps = small(group=["g", "g", "h", "h", "h"])
+    assert steps.returns.tolist() == [10.0, 0.0]
+    assert steps.traj_len.tolist() == [2, 3]
+    assert steps.n_groups == 2 and steps.traj_group.tolist() == [0, 1]
+    assert steps.success.tolist() == [True, True, False, False, False]
+    assert steps.is_last.tolist() == [False, True, False, False, True]
+
+
+def test_reward_to_go_matches_backward_recursion():
+    steps = StepTable(group=[0] * 6, traj=[0, 0, 0, 1, 1, 1], t=[0, 1, 2, 0, 1, 2], reward=[1, 2, 3, 4, 5, 6])
+    g = 0.5
+    assert steps.reward_to_go(g).tolist() == [1 + g * (2 + g * 3), 2 + g * 3, 3, 4 + g * (5 + g * 6), 5 + g * 6, 6]
+
+
+@settings(max_examples=60, deadline=None)
+@given(step_batches(max_len=40))
+def test_discounted_cumsum_equals_loop(rows):
+    steps = StepTable(**columns(rows))
+    got = discounted_cumsum(steps.reward, steps.is_last, 0.9)
+    want = torch.zeros(len(steps), dtype=torch.float64)
+    running = 0.0
+    for i in reversed(range(len(steps))):
+        running = float(steps.reward[i]) + (0.0 if bool(steps.is_last[i]) else 0.9 * running)
+        want[i] = running
+    assert torch.allclose(got, want, atol=1e-9)
+
+
+def test_extras_are_sorted_with_the_rows():
+    steps = small(extras={"signature": ["p", "q", "q", "r", "s"], "milestones": np.eye(5)})
+    assert steps.extra("signature")[0] == stable_hash("q")
+    assert steps.extra("milestones")[0].tolist() == [0, 1, 0, 0, 0]
+    with pytest.raises(ValueError, match=r"extras\['loop_flag'\]"):
+        steps.extra("loop_flag")
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(t=[1, 0, 0, 1]), r"StepTable\.t has 4 rows but traj has 5"),
+    (dict(reward=[10.0, float("nan"), 0, 0, 0]), r"StepTable\.reward has 1 non-finite.*input row 1"),
+    (dict(reward=[10.0, 0, float("inf"), 0, 0]), r"StepTable\.reward has 1 non-finite"),
+    (dict(t=[0, 0, 0, 1, 2]), r"duplicate \(traj, t\)"),
+    (dict(t=[1, 0, 0, 1, 3]), r"StepTable\.t of trajectory .* jumps to 3 where 2 was expected"),
+    (dict(t=[2, 1, 0, 1, 2]), r"StepTable\.t of trajectory .* jumps to 1 where 0"),
+    (dict(t=[1, 0, -1, 0, 1]), r"negative step indices"),
+    (dict(group=["g", "h", "g", "g", "g"]), r"StepTable\.group: trajectory .* spans two groups"),
+    (dict(success=[True, False, False, False, False]), r"StepTable\.success changes inside trajectory"),
+    (dict(truncated=[False, False, True, False, False]), r"StepTable\.truncated changes inside trajectory"),
+    (dict(state=np.array([1.5, 2, 3, 4, 5])), r"StepTable\.state must hold integer or string keys"),
+    (dict(state=[int(SUCCESS_KEY), 1, 2, 3, 4]), r"reserved boundary key"),
+    (dict(extras={"signature": ["a"]}), r"extras\['signature'\] has first dimension"),
+])
+def test_bad_input_names_the_field_and_the_fix(over, match):
+    with pytest.raises(ValueError, match=match):
+        small(**over)
+
+
+def test_missing_state_is_reported_by_name_when_needed():
+    steps = small(state=None)
+    with pytest.raises(ValueError, match=r"needs StepTable field\(s\) \['state'\]"):
+        steps.state
+
+
+def test_empty_table_is_valid():
+    steps = StepTable(group=[], traj=[], t=[], reward=[], state=[])
+    assert len(steps) == 0 and steps.n_traj == 0
