@@ -1,0 +1,289 @@
+"""The verl bridge against the real verl 0.9.1 on CPU: entry point, registry, compute_advantage (legacy), the v1
+trainer's _compute_advantage through a real TransferQueue with rows written by verl's own agent-loop
+post-processing, padding rows from verl's own batch balancing, and Hydra composition."""
+
+import asyncio
+import functools
+import os
+import re
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+pytest.importorskip("verl", reason="the [verl] extra is not installed")
+
+import verl  # noqa: E402  (the entry point registers our estimators here)
+from omegaconf import OmegaConf  # noqa: E402
+from verl import DataProto  # noqa: E402
+from verl.trainer.ppo import core_algos  # noqa: E402
+from verl.trainer.ppo.ray_trainer import compute_advantage  # noqa: E402
+
+import credit_plugins as cp  # noqa: E402
+from credit_plugins.verl import hooks  # noqa: E402
+from credit_plugins.verl.contract import RowMeta  # noqa: E402
+
+pytestmark = pytest.mark.verl
+
+# 2 tasks x 2 rollouts, one row per step (verl-agent style). Task a: rollout 0 wins in 2 steps (s0 -> s1 -> win),
+# rollout 1 loses in 2 steps (s0 -> s2 -> lose). Task b: both rollouts lose in one step from s0.
+ROWS = [  # uid, traj_uid, step_idx, anchor, action, score on the last step
+    ("a", "a_0", 0, "s0", "go north", None), ("a", "a_0", 1, "s1", "take key", 10.0),
+    ("a", "a_1", 0, "s0", "go south", None), ("a", "a_1", 1, "s2", "look", 0.0),
+    ("b", "b_0", 0, "s0", "open", 0.0), ("b", "b_1", 0, "s0", "open", 0.0),
+]
+RESP_LEN = 4
+
+
+def legacy_batch(rows=ROWS, with_meta=True):
+    n = len(rows)
+    scores = {traj: s for _, traj, _, _, _, s in rows if s is not None}
+    rewards = torch.zeros(n, RESP_LEN)
+    rewards[:, -1] = torch.tensor([scores[traj] for _, traj, *_ in rows])  # verl copies the score to every turn
+    mask = torch.ones(n, RESP_LEN)
+    mask[0, -2:] = 0  # some response tokens are env/tool tokens
+    non_tensors = {"uid": np.array([r[0] for r in rows], dtype=object)}
+    if with_meta:
+        non_tensors.update(traj_uid=np.array([r[1] for r in rows], dtype=object),
+                           step_idx=np.array([r[2] for r in rows], dtype=object),
+                           anchor_key=np.array([r[3] for r in rows], dtype=object),
+                           action_key=np.array([r[4] for r in rows], dtype=object))
+    return DataProto.from_dict(tensors={"token_level_rewards": rewards, "response_mask": mask},
+                               non_tensors=non_tensors)
+
+
+def pure_gigpo(rows=ROWS, **params):
+    last = {}
+    for _, traj, t, *_ in rows:
+        last[traj] = max(last.get(traj, -1), t)
+    scores = {traj: s for _, traj, _, _, _, s in rows if s is not None}
+    steps = cp.StepTable(group=[r[0] for r in rows], traj=[r[1] for r in rows], t=[r[2] for r in rows],
+                         state=[r[3] for r in rows], action=[r[4] for r in rows],
+                         reward=[scores[r[1]] if r[2] == last[r[1]] else 0.0 for r in rows])
+    return cp.get("gigpo")(steps, **params)
+
+
+def algo_config(name="gigpo", **params):
+    return OmegaConf.create({"adv_estimator": name, "gamma": 1.0, "lam": 1.0, "use_kl_in_reward": False,
+                             "norm_adv_by_std_in_grpo": True, name: params})
+
+
+def test_entry_point_registers_on_plain_import_verl_in_a_fresh_interpreter():
+    code = ("import verl\nfrom verl.trainer.ppo import core_algos as c\n"
+            "print(sorted(n for n, f in c.ADV_ESTIMATOR_REGISTRY.items() if hasattr(f, 'agentcredit_estimator')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    names = eval(proc.stdout.strip().splitlines()[-1])
+    assert set(names) == set(cp.available()) - {"grpo"}  # verl's own grpo is kept
+    warnings = [ln for ln in proc.stderr.splitlines() if "agentcredit: registered verl advantage estimators" in ln]
+    assert len(warnings) == 1 and "kept verl's own ['grpo']" in warnings[0]
+
+
+def test_names_verl_already_has_keep_verls_function():
+    assert not hasattr(core_algos.get_adv_estimator_fn("grpo"), "agentcredit_estimator")
+    assert core_algos.get_adv_estimator_fn("gigpo").agentcredit_estimator is cp.get("gigpo")
+
+
+def test_legacy_compute_advantage_equals_pure_function():
+    data = legacy_batch()
+    out = compute_advantage(data, adv_estimator="gigpo", config=algo_config(step_weight=0.5))
+    want = pure_gigpo(step_weight=0.5)
+    adv = out.batch["advantages"]
+    assert torch.allclose(adv[:, 0], want)
+    assert torch.equal(adv, want[:, None] * data.batch["response_mask"])  # broadcast over response tokens only
+    assert torch.equal(out.batch["returns"], adv)
+    # the step term is really there: the two first steps of task a share s0 but differ in outcome
+    assert not torch.allclose(want, pure_gigpo(step_weight=0.0))
+
+
+def test_batch_without_metadata_says_which_extra_fields_to_set():
+    with pytest.raises(ValueError, match=r"set extra_fields \[.*'anchor_key'.*\] on every AgentLoopOutput"):
+        compute_advantage(legacy_batch(with_meta=False), adv_estimator="gigpo", config=algo_config())
+
+
+def test_batch_missing_anchor_key_only_names_it():
+    data = legacy_batch()
+    del data.non_tensor_batch["anchor_key"]
+    with pytest.raises(ValueError, match=r"set extra_fields \['anchor_key'\]"):
+        compute_advantage(data, adv_estimator="gigpo", config=algo_config())
+
+
+def test_unknown_hyperparameter_is_an_error_listing_the_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown parameter\(s\) \['stepweight'\].*'step_weight'"):
+        compute_advantage(legacy_batch(), adv_estimator="gigpo", config=algo_config(stepweight=0.5))
+
+
+def test_other_estimators_are_untouched_by_the_wrap():
+    data = legacy_batch()
+    out = compute_advantage(data, adv_estimator="grpo", config=algo_config("grpo"))
+    assert out.batch["advantages"].shape == (len(ROWS), RESP_LEN)
+
+
+def test_startup_check_fails_loudly_when_verl_internals_moved():
+    def compute_advantage(batch, estimator, gamma=1.0):  # renamed parameters: a future verl
+        return batch
+
+    with pytest.raises(hooks.VerlInternalsChanged, match=r"expected the first to be \['data', 'adv_estimator'\]"):
+        hooks.wrap_compute_advantage(compute_advantage)
+    with pytest.raises(hooks.VerlInternalsChanged, match="PPOTrainer._compute_advantage"):
+        hooks.wrap_v1_compute_advantage(None)
+
+
+def test_every_verl_binding_is_wrapped():
+    import verl.experimental.separation.ray_trainer as sep
+    import verl.trainer.ppo.ray_trainer as rt
+    import verl.trainer.ppo.v1.trainer_base as tb
+    import verl.trainer.ppo.v1.utils as v1u
+
+    for fn in (rt.compute_advantage, sep.compute_advantage, v1u.compute_advantage, tb.PPOTrainer._compute_advantage):
+        assert getattr(fn, "_agentcredit", False), fn
+
+
+def test_row_meta_from_v1_keys_and_tags():
+    meta = RowMeta.from_v1(["p_0_0", "p_0_1", "pad9_0_0"], [{}, {}, {"is_padding": True}],
+                           [{"anchor_key": "s"}, {"anchor_key": "t"}, {"anchor_key": "s"}])
+    assert meta.columns["traj_uid"] == ["p_0", "p_0", "pad9_0"] and meta.columns["step_idx"] == [0, 1, 0]
+    assert meta.is_padding.tolist() == [False, False, True]
+    with pytest.raises(ValueError, match=r"extra_fields\['anchor_key'\] is set on some rows but not on row 1"):
+        RowMeta.from_v1(["p_0_0", "p_0_1"], None, [{"anchor_key": "s"}, {}])
+
+
+def test_config_yaml_matches_defaults():
+    from importlib.resources import files
+
+    text = (files("credit_plugins.verl.config") / "agentcredit_ppo.yaml").read_text()
+    algorithm = yaml.safe_load(text)["algorithm"]
+    for name in cp.available():
+        if name in hooks.OURS:
+            assert algorithm.get(name) == cp.get(name).defaults(), name
+
+
+def test_hydra_composes_ppo_trainer_with_our_overrides_without_plus():
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-name", "agentcredit_ppo", "--cfg", "job",
+           "algorithm.adv_estimator=gigpo", "algorithm.gigpo.step_weight=0.5", "algorithm.gigpo.gamma=0.9"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    start = re.search(r"^[a-z_]+:", proc.stdout, flags=re.M).start()  # skip any log lines before the YAML
+    cfg = yaml.safe_load(proc.stdout[start:])
+    assert cfg["algorithm"]["adv_estimator"] == "gigpo"
+    assert cfg["algorithm"]["gigpo"]["step_weight"] == 0.5 and cfg["algorithm"]["gigpo"]["gamma"] == 0.9
+    assert cfg["algorithm"]["gigpo"]["episode_stats"] == "steps"
+    assert "actor_rollout_ref" in cfg  # the whole ppo_trainer is there
+    bad = subprocess.run(cmd[:-2] + ["algorithm.gigpo.stepweight=0.5"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "stepweight" in bad.stderr
+
+
+# ---- v1: real TransferQueue, real agent-loop post-processing, real PPOTrainer._compute_advantage -------------
+@pytest.fixture(scope="module")
+def transfer_queue():
+    ray = pytest.importorskip("ray")
+    import transfer_queue as tq
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    cfg = OmegaConf.load(os.path.join(verl.__path__[0], "trainer/config/transfer_queue/transfer_queue.yaml"))
+    cfg.enable = True
+    cfg.backend.SimpleStorage.num_data_storage_units = 1
+    cfg.backend.SimpleStorage.total_storage_size = 1000
+    tq.init(cfg)
+    yield tq
+    tq.close()
+    ray.shutdown()
+
+
+def _postprocess():
+    from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
+
+    worker_cls = AgentLoopWorkerTQ.__ray_metadata__.modified_class
+    fake = types.SimpleNamespace()
+
+    async def _noop(*args, **kwargs):
+        return None
+
+    fake._compute_score = _noop  # the agent loop sets reward_score itself, as an env-scored loop does
+    fake._compute_teacher_logprobs = _noop
+    fake._compute_multi_modal_inputs = lambda output, input_ids: {}
+    fake._compute_position_ids = lambda ids, mask, mm, *a: torch.arange(ids.shape[-1]).unsqueeze(0)
+    return functools.partial(worker_cls._agent_loop_postprocess, fake)
+
+
+def _write_rows(tq, rows=ROWS, with_anchor=True):
+    """One AgentLoopOutput per step, stored exactly as verl's AgentLoopWorkerTQ stores them."""
+    from verl.experimental.agent_loop import AgentLoopOutput
+    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics
+
+    postprocess = _postprocess()
+    by_traj: dict[str, list] = {}
+    for row in rows:
+        by_traj.setdefault(row[1], []).append(row)
+
+    async def put_all():
+        for traj, steps in by_traj.items():
+            uid, session = traj.split("_")
+            outs = []
+            for _, _, t, anchor, action, score in steps:
+                extra = {"action_key": action}  # step_idx and the trajectory come from the row keys
+                if with_anchor:
+                    extra["anchor_key"] = anchor
+                if score is not None:
+                    extra["reward_extra_info"] = {}
+                outs.append(AgentLoopOutput(prompt_ids=[1, 2, 3], response_ids=[10 + t] * RESP_LEN,
+                                            response_mask=[1] * RESP_LEN, reward_score=score, num_turns=2 * (t + 1),
+                                            metrics=AgentLoopMetrics(), extra_fields=extra))
+            await postprocess(outs, False, uid=uid, session_id=int(session), global_steps=1, index=0,
+                              data_source="toy", raw_prompt=[{"role": "user", "content": "play"}])
+
+    asyncio.run(put_all())
+    keys = [f"{traj}_{i}" for traj, steps in by_traj.items() for i in range(len(steps))]
+    return keys
+
+
+def _run_v1(tq, keys, tags, config):
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    trainer = types.SimpleNamespace(config=config)
+    metrics = {}
+    batch = KVBatchMeta(partition_id="train", keys=list(keys), tags=list(tags))
+    PPOTrainer._compute_advantage(trainer, batch, metrics=metrics)
+    adv = tq.kv_batch_get(keys=list(keys), partition_id="train", select_fields=["advantages"])["advantages"]
+    return [a for a in adv.unbind(0)], metrics
+
+
+def _trainer_config(name="gigpo", **params):
+    return OmegaConf.create({"algorithm": dict(algo_config(name, **params)), "actor_rollout_ref": {"rollout": {"n": 2}}})
+
+
+def test_v1_compute_advantage_gives_step_level_advantages(transfer_queue):
+    keys = _write_rows(transfer_queue)
+    adv, metrics = _run_v1(transfer_queue, keys, [{"status": "success"}] * len(keys), _trainer_config(step_weight=0.5))
+    per_row = torch.stack([a[0] for a in adv])
+    assert torch.allclose(per_row, pure_gigpo(step_weight=0.5), atol=1e-6)
+    assert all(a.shape == (RESP_LEN,) and torch.all(a == a[0]) for a in adv)
+    # step level: the two rollouts of task a differ per step, not only per trajectory
+    assert per_row[0] != per_row[1]
+    assert metrics["agentcredit/steps"] == len(ROWS) and metrics["agentcredit/trajectories"] == 4
+
+
+def test_v1_padding_rows_from_verl_batch_balancing_are_dropped(transfer_queue):
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.padding_utils import upsample_batch_to_divisible_size
+
+    keys = _write_rows(transfer_queue)
+    batch = KVBatchMeta(partition_id="train", keys=keys, tags=[{"status": "success"}] * len(keys))
+    batch = upsample_batch_to_divisible_size(batch, batch_multiple=4, eos_token_id=0)  # 6 -> 8 rows
+    assert len(batch.keys) == 8 and batch.tags[-1]["is_padding"]
+    adv, metrics = _run_v1(transfer_queue, batch.keys, batch.tags, _trainer_config(step_weight=0.5))
+    per_row = torch.stack([a[0] for a in adv])
+    assert torch.allclose(per_row[:6], pure_gigpo(step_weight=0.5), atol=1e-6)
+    assert torch.all(per_row[6:] == 0) and metrics["agentcredit/padding_rows"] == 2
+
+
+def test_v1_without_anchor_keys_fails_naming_them(transfer_queue):
+    rows = [(uid, traj.replace("_", "noanchor_"), *rest) for uid, traj, *rest in ROWS]
+    keys = _write_rows(transfer_queue, rows, with_anchor=False)
+    with pytest.raises(ValueError, match=r"set extra_fields \['anchor_key'\]"):
+        _run_v1(transfer_queue, keys, [{}] * len(keys), _trainer_config())
