@@ -56,15 +56,11 @@ def discounted_cumsum(values: torch.Tensor, is_last: torch.Tensor, gamma: float)
     """
     a = values.to(torch.float64).clone()
     b = torch.where(is_last, 0.0, float(gamma)).to(torch.float64)
-    n = a.numel()
+    # invariant: b_i != 0 only while row i + shift is still in i's run, so the last `shift` rows need no update
     shift = 1
-    while shift < n and bool((b != 0).any()):
-        a_next = torch.zeros_like(a)
-        b_next = torch.zeros_like(b)
-        a_next[:-shift] = a[shift:]
-        b_next[:-shift] = b[shift:]
-        a = a + b * a_next
-        b = b * b_next
+    while shift < a.numel() and bool(b.any()):
+        a[:-shift] += b[:-shift] * a[shift:]
+        b[:-shift] = b[:-shift] * b[shift:]
         shift *= 2
     return a
 

@@ -158,11 +158,12 @@ class StepTable:
         self._extras = {name: col[order] for name, col in self._extras.items()}
 
         self._validate_trajectories()
-        self.row_group, self.n_groups = dense_ids(self._group)
-        self.traj_group = torch.empty(n_traj, dtype=torch.int64)
-        self.traj_group[self.row_traj] = self.row_group
-        if bool((self.traj_group[self.row_traj] != self.row_group).any()):
-            i = int((self.traj_group[self.row_traj] != self.row_group).nonzero()[0])
+        # group ids are made dense per trajectory (N << S keys to sort), then broadcast to the rows
+        self.traj_group, self.n_groups = dense_ids(self._group[self.first_row])
+        self.row_group = self.traj_group[self.row_traj]
+        spans = self._group != self._group[self.first_row][self.row_traj]
+        if bool(spans.any()):
+            i = int(spans.nonzero()[0])
             raise ValueError(f"StepTable.group: trajectory {int(self._traj[i])} spans two groups; every row of a "
                              f"trajectory must carry the group (uid) of its task")
         for name in ("success", "truncated"):

@@ -1,0 +1,172 @@
+"""Speed of the credit estimators against straightforward per-row Python, measured in the same run.
+
+    python benchmarks/credit_speed.py                    # S = 1e4, 1e5, 1e6 step rows, every estimator
+    python benchmarks/credit_speed.py --sizes 10000 --estimators gigpo
+
+The batch is ALFWorld-shaped: groups of 8 rollouts from one initial state, each a random walk of 5-50 steps on
+that task's small state graph (so anchors recur across rollouts and within one), about 1/3 successful with the
+10/0 reward at the last step. Keys are int64 (hashing strings is the env adapter's cost, not the estimator's).
+
+Columns: time of the vectorised estimator (the StepTable is built once beforehand, its build time is printed
+separately), rows per second, time of the per-row Python reference on the same batch (above --naive-limit rows
+it runs on a prefix of whole groups and is scaled linearly, marked '~'), the ratio, peak extra memory, and the
+estimator's time as a share of a training step. The step time assumed is 187.46 s: CRBC's measured ALFWorld update
+(Qwen2.5-1.5B, 16 groups x 8 rollouts, 4xA100; CREDIT.md §11) whose batch is ~3,200 step rows; the share is given
+for that batch scaled to S rows, i.e. for a step whose size grows with S.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import credit_plugins as cp  # noqa: E402
+
+STEP_SECONDS, STEP_ROWS = 187.46, 3200
+
+
+def alfworld_like_batch(n_rows: int, seed: int = 0, group_size: int = 8, max_len: int = 50, n_states: int = 60):
+    """Columns of a batch with about ``n_rows`` step rows (whole groups), built with numpy."""
+    rng = np.random.default_rng(seed)
+    mean_len = (5 + max_len) / 2
+    n_groups = max(1, int(round(n_rows / (group_size * mean_len))))
+    lengths = rng.integers(5, max_len + 1, size=n_groups * group_size)
+    traj = np.repeat(np.arange(lengths.size), lengths)
+    group = traj // group_size
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    t = np.arange(traj.size) - starts
+    # each task: a random graph with 3 successors per state; rollouts walk it from state 0
+    succ = rng.integers(0, n_states, size=(n_groups, n_states, 3))
+    choice = rng.integers(0, 3, size=traj.size)
+    state = np.zeros(traj.size, dtype=np.int64)
+    for step in range(1, max_len):  # vectorised over rows: one pass per time step, not per row
+        rows = np.flatnonzero(t == step)
+        state[rows] = succ[group[rows], state[rows - 1], choice[rows - 1]]
+    action = choice.astype(np.int64)
+    success_traj = rng.random(lengths.size) < 0.35
+    success = success_traj[traj]
+    last = np.r_[traj[1:] != traj[:-1], True]
+    reward = np.where(last & success, 10.0, 0.0)
+    truncated = (lengths == max_len)[traj] & ~success
+    state = state + group * n_states  # keys stay group-local anyway; make them distinct across tasks too
+    return dict(group=group, traj=traj, t=t, state=state, action=action, reward=reward, success=success,
+                truncated=truncated)
+
+
+def as_rows(cols, n_limit=None):
+    n = len(cols["traj"]) if n_limit is None else n_limit
+    keys = list(cols)
+    return [{k: cols[k][i].item() for k in keys} for i in range(n)]
+
+
+class PeakRSS:
+    """Peak resident memory above the starting level, sampled every 2 ms from /proc/self/statm."""
+
+    def __enter__(self):
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.base = self.peak = self._rss()
+        self._stop = False
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def _rss(self):
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def _watch(self):
+        while not self._stop:
+            self.peak = max(self.peak, self._rss())
+            time.sleep(0.002)
+
+    def __exit__(self, *exc):
+        self._stop = True
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+        self.extra_mb = (self.peak - self.base) / 2**20
+
+
+def naive_functions():
+    """Per-row references by estimator name (the graph methods come from their own modules when present)."""
+    from benchmarks import naive_gigpo
+
+    out = {"grpo": naive_gigpo.naive_grpo, "gigpo": naive_gigpo.naive_gigpo}
+    try:
+        from benchmarks import naive_graph
+
+        out.update(graphhca=naive_graph.naive_graphhca, crbc=naive_graph.naive_crbc)
+    except ImportError:
+        pass
+    try:
+        from benchmarks import naive_mvpo
+
+        out["mvpo"] = lambda rows: naive_mvpo.naive_mvpo(rows)[0]
+    except ImportError:
+        pass
+    return out
+
+
+def best_of(fn, repeat):
+    times = []
+    for _ in range(repeat):
+        gc.collect()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def run_estimator(name, steps):
+    est = cp.get(name)
+    if getattr(est, "stateful", None):
+        return est.create()(steps)
+    return est(steps)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    parser.add_argument("--estimators", nargs="+", default=None, help="default: every registered step estimator")
+    parser.add_argument("--repeat", type=int, default=3, help="best of N runs of the vectorised estimator")
+    parser.add_argument("--naive-limit", type=int, default=100_000,
+                        help="run the per-row reference on at most this many rows and scale linearly above")
+    args = parser.parse_args(argv)
+
+    naive = naive_functions()
+    names = args.estimators or [n for n in cp.available() if n in naive]
+    print(f"{'estimator':<10} {'S':>9} {'build s':>8} {'time s':>8} {'rows/s':>11} {'per-row s':>10} "
+          f"{'ratio':>8} {'peak MB':>8} {'step %':>8}")
+    for size in args.sizes:
+        cols = alfworld_like_batch(size)
+        n = len(cols["traj"])
+        t0 = time.perf_counter()
+        steps = cp.StepTable(**cols)
+        build = time.perf_counter() - t0
+        for name in names:
+            # one untimed call first, then the memory watch on a timed call
+            run_estimator(name, cp.StepTable(**cols))
+            with PeakRSS() as mem:
+                run_estimator(name, cp.StepTable(**cols))
+            fast = best_of(lambda: run_estimator(name, steps), args.repeat)
+            limit = min(n, args.naive_limit)
+            limit = int(np.searchsorted(cols["group"], cols["group"][limit - 1], side="right"))  # whole groups
+            rows = as_rows(cols, limit)
+            t0 = time.perf_counter()
+            naive[name](rows)
+            slow = (time.perf_counter() - t0) * n / limit
+            mark = "~" if limit < n else " "
+            share = 100 * fast / (STEP_SECONDS * n / STEP_ROWS)
+            print(f"{name:<10} {n:>9} {build:>8.3f} {fast:>8.3f} {n / fast:>11.3g} {mark}{slow:>9.2f} "
+                  f"{slow / fast:>7.0f}x {mem.extra_mb:>8.0f} {share:>7.4f}%", flush=True)
+
+
+if __name__ == "__main__":
+    main()
