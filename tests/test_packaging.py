@@ -1,0 +1,50 @@
+"""The project's own promises about itself: the README's commands, CI, the entry points, the benchmark."""
+
+import os
+import re
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def read(path):
+    with open(os.path.join(ROOT, path)) as f:
+        return f.read()
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    ci_cmd = [ln for ln in read(".ci/run").splitlines() if ln.startswith("python -m pytest")]
+    assert len(ci_cmd) == 1
+    assert ci_cmd[0] in read("README.md")
+
+
+def test_ci_pins_cpu_torch_before_installing_the_package():
+    ci = read(".ci/run")
+    assert ci.index('"torch==2.13.0"') < ci.index("-e '.[verl,trl,test]'")
+
+
+def test_entry_points_are_installed():
+    verl_eps = {ep.name: ep.value for ep in entry_points(group="verl.plugins")}
+    assert verl_eps.get("agentcredit") == "credit_plugins.verl"
+    ours = {ep.name: ep.value for ep in entry_points(group="agentcredit")}
+    assert ours.get("builtin") == "credit_plugins.estimators"
+    scripts = {ep.name: ep.value for ep in entry_points(group="console_scripts")}
+    assert scripts.get("agentcredit") == "credit_plugins.cli:main"
+
+
+def test_readme_lists_every_registered_estimator():
+    import credit_plugins as cp
+
+    readme = read("README.md")
+    for name in cp.available():
+        assert re.search(rf"`{name}`", readme), name
+
+
+def test_speed_benchmark_runs_and_reports_ratios():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "credit_speed.py"), "--sizes", "3000",
+                          "--repeat", "1", "--estimators", "grpo", "gigpo"],
+                         capture_output=True, text=True, check=True).stdout
+    lines = [ln for ln in out.splitlines() if ln.startswith(("grpo", "gigpo"))]
+    assert len(lines) == 2 and all(re.search(r"\d+x", ln) for ln in lines)
