@@ -287,3 +287,41 @@ def test_v1_without_anchor_keys_fails_naming_them(transfer_queue):
     keys = _write_rows(transfer_queue, rows, with_anchor=False)
     with pytest.raises(ValueError, match=r"set extra_fields \['anchor_key'\]"):
         _run_v1(transfer_queue, keys, [{}] * len(keys), _trainer_config())
+
+
+class _Counter:
+    """A stand-in stateful estimator instance: counts the batches it has seen."""
+
+    def __init__(self):
+        self.batches = 0
+
+    def state_dict(self):
+        return {"batches": self.batches}
+
+    def load_state_dict(self, state):
+        self.batches = state["batches"]
+
+
+def test_stateful_estimator_state_is_saved_with_the_checkpoint_and_restored_on_resume(tmp_path):
+    from credit_plugins.verl import adapter
+
+    def save(self):  # what verl's _save_checkpoint leaves behind: the global_step_N folder
+        (tmp_path / f"global_step_{self.global_steps}").mkdir()
+
+    def load(self):  # verl's _load_checkpoint sets global_steps from the folder it resumes
+        self.global_steps = 3
+
+    trainer = types.SimpleNamespace(global_steps=3, config=OmegaConf.create(
+        {"trainer": {"default_local_dir": str(tmp_path), "resume_mode": "auto"}}))
+    counter = _Counter()
+    counter.batches = 7
+    adapter.INSTANCES["counter"] = (None, counter)
+    try:
+        hooks.wrap_save_checkpoint(save)(trainer)
+        assert (tmp_path / "global_step_3" / hooks.STATE_FILE).exists()
+        counter.batches = 0  # a fresh process after a crash
+        hooks.wrap_load_checkpoint(load)(trainer)
+        assert counter.batches == 7
+    finally:
+        adapter.INSTANCES.pop("counter", None)
+        adapter.PENDING.clear()

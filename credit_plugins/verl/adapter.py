@@ -20,6 +20,32 @@ from ..estimator import Estimator
 from .contract import RowMeta, build_step_table, missing_fields_message
 
 CURRENT: contextvars.ContextVar[RowMeta | None] = contextvars.ContextVar("agentcredit_row_meta", default=None)
+#: Stateful estimators (MVPO, ...) live for the trainer process: ``{name: (params, instance)}``. The trainer hooks
+#: save their ``state_dict()`` with each verl checkpoint and restore it on resume.
+INSTANCES: dict[str, tuple[Any, Any]] = {}
+
+
+def instance_for(estimator: Estimator, params: Any):
+    """The process's instance of a stateful ``estimator`` with ``params`` (a new one when the params change)."""
+    held = INSTANCES.get(estimator.name)
+    if held is None or held[0] != params:
+        held = INSTANCES[estimator.name] = (params, estimator.create(**vars(params)))
+    return held[1]
+
+
+def state_dicts() -> dict[str, Any]:
+    return {name: inst.state_dict() for name, (_, inst) in INSTANCES.items()}
+
+
+def load_state_dicts(states: Mapping[str, Any]) -> None:
+    """Restore saved states; an estimator not created yet gets its state when it is first created."""
+    PENDING.update(states)
+    for name, (_, inst) in INSTANCES.items():
+        if name in PENDING:
+            inst.load_state_dict(PENDING.pop(name))
+
+
+PENDING: dict[str, Any] = {}
 
 
 @contextlib.contextmanager
@@ -70,7 +96,13 @@ def make_verl_estimator(estimator: Estimator):
             raise ValueError("verl passed no `index` (uid) to the estimator; the batch needs a 'uid' column")
         extras = getattr(estimator.params, "VERL_EXTRAS", ())
         steps, keep = build_step_table(meta, token_level_rewards, index, estimator.requires, estimator.name, extras)
-        per_step = estimator(steps, **vars(p))
+        if getattr(estimator, "stateful", None) is not None:
+            est = instance_for(estimator, p)
+            if estimator.name in PENDING:
+                est.load_state_dict(PENDING.pop(estimator.name))
+            per_step = est(steps)
+        else:
+            per_step = estimator(steps, **vars(p))
         scores = torch.zeros(token_level_rewards.shape[0], dtype=torch.float32)
         scores[torch.as_tensor(keep, dtype=torch.long)] = per_step
         meta.stats.update({

@@ -4,6 +4,8 @@
   only 7 TransferQueue fields. The wrap also fetches each row's ``extra_fields`` (``tq.kv_batch_get(...,
   select_fields=["extra_fields"])``, the idiom verl itself uses in ``trainer_base.py``), reads the trajectory and
   step from the row keys ``{uid}_{session}_{i}`` and padding from ``batch.tags``, and publishes them.
+* v1 ``_save_checkpoint`` / ``_load_checkpoint``: the state of stateful estimators (MVPO's kappa schedule, ...)
+  is saved as ``agentcredit_estimators.pt`` in each ``global_step_N`` folder and restored on resume.
 * legacy and separation trainers: ``compute_advantage(data, adv_estimator, ...)`` (two module bindings) gets the
   ``extra_fields`` columns from ``data.non_tensor_batch``.
 
@@ -19,6 +21,7 @@ import inspect
 import logging
 from typing import Any
 
+from . import adapter
 from .adapter import publish
 from .contract import RowMeta
 
@@ -87,6 +90,71 @@ def wrap_v1_compute_advantage(orig):
     return _compute_advantage
 
 
+STATE_FILE = "agentcredit_estimators.pt"
+
+
+def _checkpoint_folder(trainer) -> str | None:
+    """The ``global_step_N`` folder verl just saved to or resumed from (same rules as verl's trainer)."""
+    import os
+
+    cfg = trainer.config.trainer
+    if getattr(trainer, "global_steps", 0) <= 0:
+        return None
+    resume_path = cfg.get("resume_from_path", None)
+    if cfg.get("resume_mode", "auto") == "resume_path" and resume_path:
+        return resume_path
+    return os.path.join(cfg.default_local_dir, f"global_step_{trainer.global_steps}")
+
+
+def wrap_save_checkpoint(orig):
+    """After verl saves a checkpoint, save the stateful estimators' ``state_dict()`` beside it."""
+    if getattr(orig, "_agentcredit", False):
+        return orig
+    _check(orig, "PPOTrainer._save_checkpoint(self)", ("self",))
+
+    @functools.wraps(orig)
+    def _save_checkpoint(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        states = adapter.state_dicts()
+        folder = _checkpoint_folder(self)
+        if states and folder is not None:
+            import os
+
+            import torch
+
+            torch.save(states, os.path.join(folder, STATE_FILE))
+        return out
+
+    _save_checkpoint._agentcredit = True
+    return _save_checkpoint
+
+
+def wrap_load_checkpoint(orig):
+    """After verl resumes, restore the stateful estimators saved with that checkpoint."""
+    if getattr(orig, "_agentcredit", False):
+        return orig
+    _check(orig, "PPOTrainer._load_checkpoint(self)", ("self",))
+
+    @functools.wraps(orig)
+    def _load_checkpoint(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        folder = _checkpoint_folder(self)
+        if folder is not None:
+            import os
+
+            import torch
+
+            path = os.path.join(folder, STATE_FILE)
+            if os.path.exists(path):
+                states = torch.load(path, weights_only=False)
+                adapter.load_state_dicts(states)
+                logger.warning("agentcredit: restored the state of %s from %s", sorted(states), path)
+        return out
+
+    _load_checkpoint._agentcredit = True
+    return _load_checkpoint
+
+
 def _patch_ray_trainer(module) -> None:
     module.compute_advantage = wrap_compute_advantage(module.compute_advantage)
 
@@ -102,6 +170,8 @@ def _patch_v1_utils(module) -> None:
 def _patch_v1_trainer(module) -> None:
     cls = module.PPOTrainer
     cls._compute_advantage = wrap_v1_compute_advantage(cls.__dict__.get("_compute_advantage"))
+    cls._save_checkpoint = wrap_save_checkpoint(cls.__dict__.get("_save_checkpoint"))
+    cls._load_checkpoint = wrap_load_checkpoint(cls.__dict__.get("_load_checkpoint"))
 
 
 TARGETS = {
