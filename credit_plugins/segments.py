@@ -12,8 +12,8 @@ __all__ = ["segment_sum", "segment_mean_std", "group_normalise", "discounted_cum
 
 
 def segment_sum(values: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
-    """``out[k] = sum(values[index == k])`` for k in ``[0, n)``."""
-    return torch.zeros(n, dtype=values.dtype).index_add_(0, index, values)
+    """``out[k] = sum(values[index == k])`` for k in ``[0, n)``, in float64."""
+    return torch.bincount(index, weights=values.to(torch.float64), minlength=n)
 
 
 def segment_mean_std(values: torch.Tensor, index: torch.Tensor, n: int, ddof: int = 1):
@@ -55,7 +55,7 @@ def discounted_cumsum(values: torch.Tensor, is_last: torch.Tensor, gamma: float)
     ``ceil(log2(T_max))`` passes is one vectorised update over all rows.
     """
     a = values.to(torch.float64).clone()
-    b = torch.where(is_last, 0.0, float(gamma)).to(torch.float64)
+    b = torch.full(a.shape, float(gamma), dtype=torch.float64).masked_fill_(is_last, 0.0)  # gamma exact in float64
     # invariant: b_i != 0 only while row i + shift is still in i's run, so the last `shift` rows need no update
     shift = 1
     while shift < a.numel() and bool(b.any()):

@@ -123,7 +123,7 @@ class StepTable:
                 col = col.detach().cpu()
             else:
                 arr = np.asarray(col) if not isinstance(col, np.ndarray) else col
-                col = (_as_keys(f"extras[{name!r}]", arr) if arr.dtype.kind in "OUSb" and arr.ndim == 1
+                col = (_as_keys(f"extras[{name!r}]", arr) if arr.dtype.kind in "OUS" and arr.ndim == 1
                        else torch.from_numpy(np.ascontiguousarray(arr)))
             if col.ndim == 0 or col.shape[0] != n:
                 raise ValueError(f"StepTable.extras[{name!r}] has first dimension "

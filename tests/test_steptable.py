@@ -131,3 +131,13 @@ def test_missing_state_is_reported_by_name_when_needed():
 def test_empty_table_is_valid():
     steps = StepTable(group=[], traj=[], t=[], reward=[], state=[])
     assert len(steps) == 0 and steps.n_traj == 0
+
+
+def test_bool_extras_stay_flags():
+    steps = small(extras={"loop_flag": [True, False, False, True, False]})
+    assert steps.extra("loop_flag").tolist() == [False, True, False, True, False]
+
+
+def test_discount_is_exact_in_float64():
+    steps = StepTable(group=[0] * 3, traj=[0] * 3, t=[0, 1, 2], reward=[0.0, 0.0, 1.0])
+    assert steps.reward_to_go(0.95)[0].item() == 0.95 * 0.95
