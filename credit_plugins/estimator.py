@@ -12,7 +12,7 @@ import torch
 
 from .steptable import StepTable
 
-__all__ = ["Estimator", "param", "make_params"]
+__all__ = ["Estimator", "BoundEstimator", "param", "make_params"]
 
 
 def param(default: Any, help: str, **kwargs: Any) -> Any:  # noqa: A002 - mirrors TRL's field(metadata={"help"})
@@ -43,6 +43,16 @@ class Estimator:
         formula: the formula the code computes, in plain text.
         requires: StepTable fields the estimator reads beyond ``group, traj, t, reward``.
         output: ``"step"`` ([S]) or ``"token"`` ([S, L]).
+        stateful: ``None`` for a pure estimator. For a method that carries state from batch to batch (MVPO's
+            kappa schedule and milestone weights, SIPO's a2), the class holding that state: built as
+            ``stateful(params)``, called as ``instance(steps) -> Tensor`` (input order, float32), with
+            ``state_dict()`` / ``load_state_dict()`` of plain Python values and a ``STATE_DOC`` string naming the
+            state. ``fn`` then computes one batch from the initial state (what a fresh instance returns first).
+
+    Use :meth:`create` in a training loop: it works for every estimator. Calling a *stateful* estimator as a
+    function (``get("mvpo")(steps)``) raises ``ValueError``: a hidden per-process instance would make the same call
+    return different values batch after batch and lose its state on resume, so the state must be held, and
+    checkpointed, by whoever runs the loop.
     """
 
     name: str
@@ -52,12 +62,30 @@ class Estimator:
     formula: str
     requires: tuple[str, ...] = ()
     output: str = "step"
+    stateful: type | None = None
 
     def make_params(self, **values: Any):
         return make_params(self.params, values, owner=f"estimator {self.name!r}")
 
+    def create(self, **params: Any):
+        """A callable ``est(steps) -> Tensor`` bound to ``params``, with ``state_dict()`` / ``load_state_dict()``.
+
+        For a stateful estimator this is a fresh instance of :attr:`stateful` (its initial state); for a pure one,
+        a :class:`BoundEstimator` whose state is empty. Parameters are validated here, before any batch.
+        """
+        p = self.make_params(**params)
+        if self.stateful is not None:
+            return self.stateful(p)
+        return BoundEstimator(self, p)
+
     def __call__(self, steps: StepTable, **params: Any) -> torch.Tensor:
         """Advantages for ``steps`` in the rows' **input order**: ``[S]`` float32 (or ``[S, L]`` for token methods)."""
+        if self.stateful is not None:
+            raise ValueError(
+                f"estimator {self.name!r} keeps state across batches ({self.stateful.STATE_DOC}), so it cannot be "
+                f"called as a function; create one instance per training run, call it on every batch and save "
+                f"its state_dict() with your checkpoint: est = credit_plugins.get({self.name!r}).create(**params); "
+                f"adv = est(steps)")
         p = self.make_params(**params)
         steps.require(*self.requires, by=f"estimator {self.name!r}")
         with torch.no_grad():
@@ -65,15 +93,38 @@ class Estimator:
         return steps.to_input_order(out).to(torch.float32)
 
     def defaults(self) -> dict[str, Any]:
-        return dataclasses.asdict(self.params())
+        """The default parameters as plain config values (tuples as lists, as YAML/OmegaConf hold them)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self.params()).items()}
 
     def describe(self) -> str:
         lines = [f"{self.name}: {self.paper}", "", "formula:"]
         lines += ["  " + ln for ln in textwrap.dedent(self.formula).strip().splitlines()]
         lines += ["", f"output: [{'S' if self.output == 'step' else 'S, L'}] float32",
-                  f"required StepTable fields: {', '.join(('group', 'traj', 't', 'reward') + self.requires)}",
-                  "", "parameters:"]
+                  f"required StepTable fields: {', '.join(('group', 'traj', 't', 'reward') + self.requires)}"]
+        if self.stateful is not None:
+            lines.append(f"stateful: keeps {self.stateful.STATE_DOC} across batches; est = .create(**params), "
+                         f"call est(steps) per batch, checkpoint est.state_dict()")
+        lines += ["", "parameters:"]
         for f in dataclasses.fields(self.params):
             lines.append(f"  {f.name} = {f.default!r}")
             lines += ["      " + ln for ln in textwrap.wrap(f.metadata.get("help", ""), 96)]
         return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class BoundEstimator:
+    """A pure estimator bound to its parameters: the stateless counterpart of a stateful estimator's instance."""
+
+    estimator: Estimator
+    params: Any
+
+    def __call__(self, steps: StepTable) -> torch.Tensor:
+        return self.estimator(steps, **{f.name: getattr(self.params, f.name) for f in dataclasses.fields(self.params)})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state:
+            raise ValueError(f"estimator {self.estimator.name!r} is stateless; its state_dict is empty, got keys "
+                             f"{sorted(state)}")
