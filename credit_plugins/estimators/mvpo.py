@@ -96,7 +96,9 @@ SPREAD_TOL = 1e-9
 class MVPOParams:
     """Hyperparameters of MVPO (defaults: the paper's ALFWorld setting; [RECON] where the paper gives none)."""
 
+    # extra_fields the verl bridge forwards as StepTable extras: required, and used when every row has them
     VERL_EXTRAS: ClassVar[tuple[str, ...]] = ("signature",)
+    VERL_OPTIONAL_EXTRAS: ClassVar[tuple[str, ...]] = ("milestones", "loop_flag")
 
     # ---- GiGPO part (kappa = 0 reproduces gigpo with these) ----
     step_weight: float = param(0.5, "Weight omega of the routed step term (0.5 ALFWorld/WebShop, 1.0 search-QA).")
