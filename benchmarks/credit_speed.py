@@ -57,14 +57,21 @@ def alfworld_like_batch(n_rows: int, seed: int = 0, group_size: int = 8, max_len
     reward = np.where(last & success, 10.0, 0.0)
     truncated = (lengths == max_len)[traj] & ~success
     state = state + group * n_states  # keys stay group-local anyway; make them distinct across tasks too
+    # MVPO's blocks: a coarse progress signature (location class | depth bin, as ALFWorld's loc|objects|depth),
+    # five milestone flags (pick, operate, place, success, invalid) and a loop flag
+    signature = (state % 12) * 100 + 3 * (t // 3)
+    milestones = (rng.random((traj.size, 5)) < [0.1, 0.05, 0.05, 0.0, 0.05]).astype(np.float64)
+    milestones[:, 3] = last & success
+    loop_flag = (rng.random(traj.size) < 0.05).astype(np.int64)
     return dict(group=group, traj=traj, t=t, state=state, action=action, reward=reward, success=success,
-                truncated=truncated)
+                truncated=truncated, extras=dict(signature=signature, milestones=milestones, loop_flag=loop_flag))
 
 
 def as_rows(cols, n_limit=None):
+    """Row dicts (the naive references' input), extras flattened into each row."""
     n = len(cols["traj"]) if n_limit is None else n_limit
-    keys = list(cols)
-    return [{k: cols[k][i].item() for k in keys} for i in range(n)]
+    flat = {k: v for k, v in cols.items() if k != "extras"} | cols["extras"]
+    return [{k: (v[i].tolist() if v.ndim > 1 else v[i].item()) for k, v in flat.items()} for i in range(n)]
 
 
 class PeakRSS:
@@ -127,7 +134,7 @@ def best_of(fn, repeat):
 def run_estimator(name, steps):
     est = cp.get(name)
     if getattr(est, "stateful", None):
-        return est.create()(steps)
+        return est.create()(steps)  # a fresh instance: its first batch, as a training run's first step
     return est(steps)
 
 

@@ -13,7 +13,7 @@ __all__ = ["segment_sum", "segment_mean_std", "group_normalise", "discounted_cum
 
 def segment_sum(values: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
     """``out[k] = sum(values[index == k])`` for k in ``[0, n)``, in float64."""
-    return torch.bincount(index, weights=values.to(torch.float64), minlength=n)
+    return torch.bincount(index, weights=values.to(torch.float64), minlength=n).to(torch.float64)
 
 
 def segment_mean_std(values: torch.Tensor, index: torch.Tensor, n: int, ddof: int = 1):

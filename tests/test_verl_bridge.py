@@ -56,15 +56,24 @@ def legacy_batch(rows=ROWS, with_meta=True):
                                non_tensors=non_tensors)
 
 
-def pure_gigpo(rows=ROWS, **params):
+def pure_steps(rows=ROWS):
+    """The StepTable the bridge should build from ROWS (the score on each trajectory's last step)."""
     last = {}
     for _, traj, t, *_ in rows:
         last[traj] = max(last.get(traj, -1), t)
     scores = {traj: s for _, traj, _, _, _, s in rows if s is not None}
-    steps = cp.StepTable(group=[r[0] for r in rows], traj=[r[1] for r in rows], t=[r[2] for r in rows],
-                         state=[r[3] for r in rows], action=[r[4] for r in rows],
-                         reward=[scores[r[1]] if r[2] == last[r[1]] else 0.0 for r in rows])
-    return cp.get("gigpo")(steps, **params)
+    return cp.StepTable(group=[r[0] for r in rows], traj=[r[1] for r in rows], t=[r[2] for r in rows],
+                        state=[r[3] for r in rows], action=[r[4] for r in rows],
+                        reward=[scores[r[1]] if r[2] == last[r[1]] else 0.0 for r in rows],
+                        extras={"signature": [r[3][:2] for r in rows]})
+
+
+def pure(name, rows=ROWS, **params):
+    return cp.get(name).create(**params)(pure_steps(rows))
+
+
+def pure_gigpo(rows=ROWS, **params):
+    return pure("gigpo", rows, **params)
 
 
 def algo_config(name="gigpo", **params):
@@ -98,6 +107,18 @@ def test_legacy_compute_advantage_equals_pure_function():
     assert torch.equal(out.batch["returns"], adv)
     # the step term is really there: the two first steps of task a share s0 but differ in outcome
     assert not torch.allclose(want, pure_gigpo(step_weight=0.0))
+
+
+@pytest.mark.parametrize("name", sorted(hooks.OURS))
+def test_every_estimator_through_verls_compute_advantage_equals_its_pure_function(name):
+    from credit_plugins.verl import adapter
+
+    adapter.INSTANCES.clear()  # stateful estimators: compare first batches
+    data = legacy_batch()
+    data.non_tensor_batch["signature"] = np.array([r[3][:2] for r in ROWS], dtype=object)
+    out = compute_advantage(data, adv_estimator=name, config=algo_config(name))
+    assert torch.allclose(out.batch["advantages"][:, 0], pure(name), atol=1e-6)
+    adapter.INSTANCES.clear()
 
 
 def test_batch_without_metadata_says_which_extra_fields_to_set():
@@ -225,7 +246,7 @@ def _write_rows(tq, rows=ROWS, with_anchor=True):
             uid, session = traj.split("_")
             outs = []
             for _, _, t, anchor, action, score in steps:
-                extra = {"action_key": action}  # step_idx and the trajectory come from the row keys
+                extra = {"action_key": action, "signature": anchor[:2]}  # step_idx and traj: from the keys
                 if with_anchor:
                     extra["anchor_key"] = anchor
                 if score is not None:
@@ -255,6 +276,17 @@ def _run_v1(tq, keys, tags, config):
 
 def _trainer_config(name="gigpo", **params):
     return OmegaConf.create({"algorithm": dict(algo_config(name, **params)), "actor_rollout_ref": {"rollout": {"n": 2}}})
+
+
+@pytest.mark.parametrize("name", sorted(hooks.OURS))
+def test_v1_wrap_gives_each_estimators_step_advantages(transfer_queue, name):
+    from credit_plugins.verl import adapter
+
+    adapter.INSTANCES.clear()
+    keys = _write_rows(transfer_queue)
+    adv, _ = _run_v1(transfer_queue, keys, [{"status": "success"}] * len(keys), _trainer_config(name))
+    assert torch.allclose(torch.stack([a[0] for a in adv]), pure(name), atol=1e-6)
+    adapter.INSTANCES.clear()
 
 
 def test_v1_compute_advantage_gives_step_level_advantages(transfer_queue):

@@ -94,7 +94,8 @@ def make_verl_estimator(estimator: Estimator):
                              "trainer process? set VERL_USE_EXTERNAL_MODULES=credit_plugins.verl to see why not)")
         if index is None:
             raise ValueError("verl passed no `index` (uid) to the estimator; the batch needs a 'uid' column")
-        extras = getattr(estimator.params, "VERL_EXTRAS", ())
+        extras = tuple(getattr(estimator.params, "VERL_EXTRAS", ()))
+        extras += tuple(e for e in getattr(estimator.params, "VERL_OPTIONAL_EXTRAS", ()) if e in meta.columns)
         steps, keep = build_step_table(meta, token_level_rewards, index, estimator.requires, estimator.name, extras)
         if getattr(estimator, "stateful", None) is not None:
             est = instance_for(estimator, p)

@@ -20,8 +20,9 @@ key                 type                      meaning (default when absent)
                                               required on the legacy trainer)
 ==================  ========================  ===================================================================
 
-Any further ``extra_fields`` key named in ``EXTRA_BLOCKS`` of an estimator (e.g. MVPO's ``signature``) is passed as a
-StepTable ``extras`` column. Rows tagged ``is_padding`` (verl's batch balancing) are dropped and get advantage 0.
+An estimator whose params class names ``VERL_EXTRAS`` (required) or ``VERL_OPTIONAL_EXTRAS`` (used when every row
+has them) gets those ``extra_fields`` keys as StepTable ``extras`` columns: MVPO reads ``signature`` (str),
+``milestones`` (list of 0/1) and ``loop_flag`` (0/1). Rows tagged ``is_padding`` (verl's batch balancing) are dropped and get advantage 0.
 """
 
 from __future__ import annotations
@@ -102,6 +103,13 @@ def missing_fields_message(estimator: str, missing: Sequence[str]) -> str:
             f"parsed_action}}). env_adapters' agent loop does this; see credit_plugins.verl.contract")
 
 
+def _extra_column(values: list[Any]) -> Any:
+    """A per-row list as a StepTable extras column: lists of numbers (milestones) become a 2-D array."""
+    if values and isinstance(values[0], (list, tuple)):
+        return np.asarray(values, dtype=np.float64)
+    return values
+
+
 def build_step_table(meta: RowMeta, token_level_rewards: torch.Tensor, uid: Sequence[Any],
                      requires: Sequence[str], estimator: str, extras: Sequence[str] = ()) -> tuple[StepTable, np.ndarray]:
     """StepTable of the non-padding rows, and the indices (into the batch) of those rows."""
@@ -133,6 +141,6 @@ def build_step_table(meta: RowMeta, token_level_rewards: torch.Tensor, uid: Sequ
     steps = StepTable(
         group=[str(uid[i]) for i in keep], traj=[str(x) for x in traj], t=t, reward=reward,
         state=col(ANCHOR), action=col(ACTION), success=col(SUCCESS), truncated=col(TRUNCATED),
-        extras={e: col(e) for e in extras} or None,
+        extras={e: _extra_column(col(e)) for e in extras} or None,
     )
     return steps, keep
