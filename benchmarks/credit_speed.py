@@ -8,7 +8,7 @@ that task's small state graph (so anchors recur across rollouts and within one),
 10/0 reward at the last step. Keys are int64 (hashing strings is the env adapter's cost, not the estimator's).
 
 Columns: time of the vectorised estimator (the StepTable is built once beforehand, its build time is printed
-separately), rows per second, time of the per-row Python reference on the same batch (above --naive-limit rows
+separately), rows per second, time of the per-row Python reference on the same batch (above --naive-limit rows,
 it runs on a prefix of whole groups and is scaled linearly, marked '~'), the ratio, peak extra memory, and the
 estimator's time as a share of a training step. The step time assumed is 187.46 s: CRBC's measured ALFWorld update
 (Qwen2.5-1.5B, 16 groups x 8 rollouts, 4xA100; CREDIT.md §11) whose batch is ~3,200 step rows; the share is given
@@ -143,7 +143,7 @@ def main(argv=None):
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     parser.add_argument("--estimators", nargs="+", default=None, help="default: every registered step estimator")
     parser.add_argument("--repeat", type=int, default=3, help="best of N runs of the vectorised estimator")
-    parser.add_argument("--naive-limit", type=int, default=100_000,
+    parser.add_argument("--naive-limit", type=int, default=1_000_000,
                         help="run the per-row reference on at most this many rows and scale linearly above")
     args = parser.parse_args(argv)
 

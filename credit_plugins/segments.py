@@ -23,7 +23,7 @@ def segment_mean_std(values: torch.Tensor, index: torch.Tensor, n: int, ddof: in
     variance is not the cancellation-prone ``E[x^2] - E[x]^2``.
     """
     v = values.to(torch.float64)
-    count = segment_sum(torch.ones_like(v), index, n)
+    count = torch.bincount(index, minlength=n).to(torch.float64)
     mean = segment_sum(v, index, n) / count.clamp(min=1)
     dev = v - mean[index]
     var = segment_sum(dev * dev, index, n) / (count - ddof).clamp(min=1)
