@@ -27,6 +27,7 @@ default: estimators that need it call :meth:`StepTable.require`, which names the
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
@@ -38,6 +39,8 @@ from .hashing import FAILURE_KEY, RESERVED_KEYS, SUCCESS_KEY, stable_hash_many
 from .segments import dense_ids, discounted_cumsum, segment_sum
 
 __all__ = ["StepTable", "SUCCESS_KEY", "FAILURE_KEY"]
+
+logger = logging.getLogger("agentcredit")
 
 ArrayLike = torch.Tensor | np.ndarray | Sequence[Any]
 
@@ -292,8 +295,15 @@ class StepTable:
 
     @cached_property
     def anchor(self) -> tuple[torch.Tensor, int]:
-        """Dense ids of the anchor groups ``(group, state)`` and their count: GiGPO's step groups (Eq. 6)."""
-        return dense_ids(self.row_group, self.state)
+        """Dense ids of the anchor groups ``(group, state)`` and their count: GiGPO's step groups (Eq. 6).
+
+        A batch in which no anchor repeats is valid (every step-level term is then 0); it is logged at DEBUG.
+        """
+        ids, n = dense_ids(self.row_group, self.state)
+        if n == self.n_steps > 0:
+            logger.debug("StepTable: none of the %d anchor states repeats within its group; step-level credit terms "
+                         "are 0 for this batch (check that state keys exclude history and formatting)", n)
+        return ids, n
 
     @cached_property
     def inverse(self) -> torch.Tensor:

@@ -141,3 +141,16 @@ def test_bool_extras_stay_flags():
 def test_discount_is_exact_in_float64():
     steps = StepTable(group=[0] * 3, traj=[0] * 3, t=[0, 1, 2], reward=[0.0, 0.0, 1.0])
     assert steps.reward_to_go(0.95)[0].item() == 0.95 * 0.95
+
+
+def test_batch_without_anchor_revisits_is_valid_and_logged_at_debug(caplog):
+    import logging
+
+    import credit_plugins as cp
+
+    steps = StepTable(group=[0, 0, 0], traj=[0, 0, 1], t=[0, 1, 0], state=["a", "b", "c"], reward=[0, 1, 0])
+    with caplog.at_level(logging.DEBUG, logger="agentcredit"):
+        adv = cp.get("gigpo")(steps)
+    assert torch.equal(adv, cp.get("grpo")(steps, episode_stats="steps"))
+    assert any("none of the 3 anchor states repeats" in r.message and r.levelno == logging.DEBUG
+               for r in caplog.records)
