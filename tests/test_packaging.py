@@ -22,7 +22,7 @@ def test_ci_runs_exactly_the_readme_test_command():
 
 def test_ci_pins_cpu_torch_before_installing_the_package():
     ci = read(".ci/run")
-    assert ci.index('"torch==2.13.0"') < ci.index("-e '.[verl,trl,test]'")
+    assert ci.index('"torch==2.13.0"') < ci.index("-e '.[verl,trl,envs,test]'")
 
 
 def test_entry_points_are_installed():
@@ -30,6 +30,7 @@ def test_entry_points_are_installed():
     assert verl_eps.get("agentcredit") == "credit_plugins.verl"
     ours = {ep.name: ep.value for ep in entry_points(group="agentcredit")}
     assert ours.get("builtin") == "credit_plugins.estimators"
+    assert ours.get("builtin_envs") == "env_adapters.builtin"
     scripts = {ep.name: ep.value for ep in entry_points(group="console_scripts")}
     assert scripts.get("agentcredit") == "credit_plugins.cli:main"
 

@@ -1,0 +1,94 @@
+"""The ``AgentEnv`` protocol every adapter implements, its ``StepResult``, and the ``EnvSpec`` registration record."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["AgentEnv", "StepResult", "EnvSpec", "missing_package"]
+
+
+@dataclass
+class StepResult:
+    """What one ``AgentEnv.step`` returns.
+
+    Attributes:
+        observation: the observation text after the step (unchanged after an invalid action).
+        reward: r_t: 10 on success at the final step, 0 otherwise, plus the invalid-action penalty (and an adapter's
+            optional shaping term).
+        done: the episode ended by the game (success or a terminal failure); step limits are the caller's.
+        success: the task was solved at this step.
+        info: ``valid`` (the action was parsed and admissible), ``action_key`` and adapter-specific entries.
+    """
+
+    observation: str
+    reward: float
+    done: bool
+    success: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class AgentEnv(Protocol):
+    """A text game an LLM agent plays one action at a time.
+
+    Required: ``task`` (the rules and goal for the prompt), ``reset(seed) -> str`` (the first observation; the same
+    seed gives the same initial state), ``step(action_text) -> StepResult`` (invalid text is a penalised no-op, never
+    an exception), ``state_key() -> str`` (the canonical game state, without history or formatting: the same game
+    state in two rollouts gives the same key; it becomes the StepTable's ``state`` anchor) and
+    ``action_key(action_text) -> str | None`` (the canonical command, None when invalid).
+    Optional: ``legal_actions() -> list[str]``, ``snapshot()`` / ``restore(snap)`` (search-based estimators).
+    """
+
+    task: str
+
+    def reset(self, seed: int | None = None) -> str: ...
+
+    def step(self, action_text: str | None) -> StepResult: ...
+
+    def state_key(self) -> str: ...
+
+    def action_key(self, action_text: str | None) -> str | None: ...
+
+
+def missing_package(package: str, env: str) -> ImportError:
+    """The error an adapter raises when its game package is not installed."""
+    return ImportError(f"the {env!r} environment needs the {package!r} package, which is not installed; install the "
+                       f"environment extra: pip install agentcredit[envs]  (or: pip install {package})")
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """A registered environment: ``spec(**options)`` builds it. ``agentcredit list envs`` prints ``summary``.
+
+    Options are checked against the factory's keyword arguments: an unknown one is a ``ValueError`` naming it and
+    listing the valid ones.
+    """
+
+    name: str
+    factory: Callable[..., Any]
+    summary: str
+
+    def __post_init__(self):
+        object.__setattr__(self, "__doc__", self.summary)  # what the CLI prints for items without a `paper`
+
+    def options(self) -> dict[str, Any]:
+        """``{option: default}`` of the factory's keyword arguments."""
+        params = inspect.signature(self.factory).parameters
+        return {n: p.default for n, p in params.items()
+                if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and n != "self"}
+
+    def __call__(self, **options: Any):
+        valid = self.options()
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown option(s) {unknown} for environment {self.name!r}; valid options: "
+                             f"{sorted(valid)}")
+        return self.factory(**options)
+
+    def describe(self) -> str:
+        opts = "\n".join(f"  {n} = {d!r}" for n, d in self.options().items())
+        doc = inspect.getdoc(self.factory) or ""
+        return f"{self.name}: {self.summary}\n\noptions:\n{opts}\n\n{doc}".rstrip()

@@ -1,0 +1,228 @@
+"""MiniGrid (the ``minigrid`` package) as text: small seeded grid worlds with a heading agent.
+
+Two tasks:
+
+* ``"goal"``: a ``size x size`` room (walls included) with the goal and the agent's start (cell and heading) drawn
+  from the seed, and optionally ``n_walls`` interior wall cells (the goal always stays reachable). Actions:
+  ``turn left``, ``turn right``, ``move forward``.
+* ``"doorkey"``: minigrid's ``DoorKeyEnv`` of that size (pick up the key, open the door, reach the goal); adds
+  ``pick up`` and ``open door``.
+
+Rendering, one character per cell, one row per line: ``#`` wall, ``.`` floor, ``G`` goal, ``K`` key, ``D`` closed
+door, ``L`` locked door, ``/`` open door, ``V`` lava, and the agent as ``>`` ``v`` ``<`` ``^`` (facing east, south,
+west, north), followed by the agent's position, heading and what it carries. Rewards: 10 on the step that reaches
+the goal, 0 otherwise, plus the invalid-action penalty and, if ``shaping`` > 0, ``shaping * (d_before - d_after)``
+with d the Manhattan distance to the goal (off by default).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from collections import deque
+from typing import Any
+
+from .base import StepResult, missing_package
+from .prompting import INVALID_PENALTY
+
+__all__ = ["MiniGridAdapter", "TASKS"]
+
+HEADINGS = ("east", "south", "west", "north")
+_AGENT = (">", "v", "<", "^")
+_CELL = {"wall": "#", "goal": "G", "key": "K", "lava": "V", "ball": "A", "box": "B", "floor": "."}
+_MOVES = {"turn left": "left", "turn right": "right", "move forward": "forward", "pick up": "pickup",
+          "open door": "toggle"}
+_ALIASES = {"left": "turn left", "right": "turn right", "forward": "move forward", "pickup": "pick up",
+            "toggle": "open door"}
+
+TASKS = {
+    "goal": ("turn left", "turn right", "move forward"),
+    "doorkey": ("turn left", "turn right", "move forward", "pick up", "open door"),
+}
+
+_TASK_TEXT = {
+    "goal": "get to the green goal square",
+    "doorkey": "use the key to open the door and then get to the goal",
+}
+
+
+def _import_minigrid():
+    try:
+        importlib.import_module("minigrid")
+        minigrid_env = importlib.import_module("minigrid.minigrid_env")
+        grid = importlib.import_module("minigrid.core.grid")
+        objects = importlib.import_module("minigrid.core.world_object")
+        mission = importlib.import_module("minigrid.core.mission")
+    except ImportError as e:
+        raise missing_package("minigrid", "minigrid") from e
+    return minigrid_env, grid, objects, mission
+
+
+def _goal_room_class():
+    """A ``MiniGridEnv`` subclass whose layout (goal, start, interior walls) comes from the reset seed."""
+    minigrid_env, grid_mod, objects, mission = _import_minigrid()
+
+    class SeededGoalRoom(minigrid_env.MiniGridEnv):
+        def __init__(self, size: int, n_walls: int, **kwargs):
+            self.n_walls = n_walls
+            super().__init__(mission_space=mission.MissionSpace(mission_func=lambda: _TASK_TEXT["goal"]),
+                             grid_size=size, see_through_walls=True, **kwargs)
+
+        def _gen_grid(self, width, height):
+            for _ in range(1000):
+                self.grid = grid_mod.Grid(width, height)
+                self.grid.wall_rect(0, 0, width, height)
+                goal = self.place_obj(objects.Goal())
+                for _ in range(self.n_walls):
+                    self.place_obj(objects.Wall())
+                self.place_agent()
+                if _distance(self.grid, tuple(self.agent_pos), tuple(goal)) is not None:
+                    break
+            else:
+                raise RuntimeError(f"no layout with the goal reachable among 1000 draws (n_walls={self.n_walls} "
+                                   f"in a {width}x{height} room); use fewer walls")
+            self.mission = _TASK_TEXT["goal"]
+
+    return SeededGoalRoom
+
+
+def _distance(grid, start: tuple[int, int], goal: tuple[int, int]) -> int | None:
+    """Shortest walk length between two cells through cells the agent can enter (None: unreachable)."""
+    seen, queue = {start}, deque([(start, 0)])
+    while queue:
+        (x, y), d = queue.popleft()
+        if (x, y) == goal:
+            return d
+        for nx, ny in ((x + 1, y), (x - 1, y), (x, y + 1), (x, y - 1)):
+            if 0 <= nx < grid.width and 0 <= ny < grid.height and (nx, ny) not in seen:
+                cell = grid.get(nx, ny)
+                if cell is None or cell.can_overlap() or cell.type == "door":
+                    seen.add((nx, ny))
+                    queue.append(((nx, ny), d + 1))
+    return None
+
+
+class MiniGridAdapter:
+    """MiniGrid worlds as an ``AgentEnv``.
+
+    Args:
+        size: grid side length, walls included (the agent moves in ``size - 2`` squared cells).
+        task: ``"goal"`` (seeded goal and start, optional interior walls) or ``"doorkey"`` (minigrid DoorKey).
+        n_walls: interior wall cells of the ``"goal"`` task (ignored by ``"doorkey"``).
+        seed: default seed of :meth:`reset` when it is called without one (None: an unseeded layout).
+        shaping: coefficient of the progress reward ``shaping * (d_before - d_after)``; 0 (default) turns it off.
+        success_reward: reward of the step that reaches the goal.
+        invalid_penalty: reward of a step without a parseable, admissible action (the state does not change).
+    """
+
+    def __init__(self, size: int = 5, task: str = "goal", n_walls: int = 0, seed: int | None = None,
+                 shaping: float = 0.0, success_reward: float = 10.0, invalid_penalty: float = INVALID_PENALTY):
+        if task not in TASKS:
+            raise ValueError(f"task={task!r}; choose one of {sorted(TASKS)}")
+        if size < (5 if task == "doorkey" else 3):
+            raise ValueError(f"size={size} is too small for task {task!r} (walls included)")
+        if n_walls < 0 or n_walls > (size - 2) ** 2 - 2:
+            raise ValueError(f"n_walls={n_walls}; it must lie in [0, {(size - 2) ** 2 - 2}] for size {size}")
+        self.size, self.task_name, self.n_walls, self.seed = int(size), task, int(n_walls), seed
+        self.shaping, self.success_reward = float(shaping), float(success_reward)
+        self.invalid_penalty = float(invalid_penalty)
+        self.legal = TASKS[task]
+        self.task = ("You are an expert agent in a grid world. Your task is to " + _TASK_TEXT[task] + ".\n"
+                     "Map symbols: # wall, . floor, G goal, K key, D closed door, L locked door, / open door; "
+                     "you are shown as >, v, < or ^ (facing east, south, west or north). Row 0 is the top, column "
+                     "0 the left. 'move forward' moves one cell in the direction you face; turning does not move.")
+        big = 10**9  # the step limit is the recorder's (max_steps), minigrid's own is pushed out of reach
+        if task == "goal":
+            self._env = _goal_room_class()(size=self.size, n_walls=self.n_walls, max_steps=big)
+        else:
+            _import_minigrid()
+            doorkey = importlib.import_module("minigrid.envs.doorkey")
+            self._env = doorkey.DoorKeyEnv(size=self.size, max_steps=big)
+        self._actions = self._env.actions
+        self._done = True
+        self._solved = False
+
+    # ---- AgentEnv -------------------------------------------------------------------------------------------
+    def reset(self, seed: int | None = None) -> str:
+        seed = self.seed if seed is None else seed
+        self._env.reset(seed=None if seed is None else int(seed))
+        self._done, self._solved = False, False
+        return self.render()
+
+    def step(self, action_text: str | None) -> StepResult:
+        if self._done:
+            raise RuntimeError("the episode is over; call reset() before step()")
+        key = self.action_key(action_text)
+        if key is None:
+            return StepResult(self.render(), self.invalid_penalty, False, False, {"valid": False, "action_key": None})
+        before = self._goal_distance() if self.shaping else 0
+        _, _, terminated, _, _ = self._env.step(getattr(self._actions, _MOVES[key]))
+        cell = self._env.grid.get(*self._env.agent_pos)
+        self._solved = bool(terminated and cell is not None and cell.type == "goal")
+        self._done = bool(terminated)
+        reward = self.success_reward if self._solved else 0.0
+        if self.shaping:
+            reward += self.shaping * (before - self._goal_distance())
+        return StepResult(self.render(), reward, self._done, self._solved, {"valid": True, "action_key": key})
+
+    def state_key(self) -> str:
+        return self.render()
+
+    def action_key(self, action_text: str | None) -> str | None:
+        if not isinstance(action_text, str):
+            return None
+        words = " ".join(action_text.strip().lower().split())
+        words = _ALIASES.get(words, words)
+        return words if words in self.legal else None
+
+    def legal_actions(self) -> list[str]:
+        return list(self.legal)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"env": copy.deepcopy(self._env), "done": self._done, "solved": self._solved}
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        self._env = copy.deepcopy(snap["env"])
+        self._done, self._solved = snap["done"], snap["solved"]
+
+    # ---- rendering ------------------------------------------------------------------------------------------
+    def render(self) -> str:
+        """The full grid, one character per cell, then the agent's position, heading and load."""
+        env = self._env
+        ax, ay = (int(v) for v in env.agent_pos)
+        rows = []
+        for y in range(env.grid.height):
+            row = []
+            for x in range(env.grid.width):
+                if (x, y) == (ax, ay):
+                    row.append(_AGENT[env.agent_dir])
+                    continue
+                cell = env.grid.get(x, y)
+                if cell is None:
+                    row.append(".")
+                elif cell.type == "door":
+                    row.append("/" if cell.is_open else "L" if cell.is_locked else "D")
+                else:
+                    row.append(_CELL.get(cell.type, "?"))
+            rows.append("".join(row))
+        carry = f"a {env.carrying.color} {env.carrying.type}" if env.carrying is not None else "nothing"
+        rows.append(f"You are at row {ay}, column {ax}, facing {HEADINGS[env.agent_dir]}; you carry {carry}.")
+        return "\n".join(rows)
+
+    def _goal_position(self) -> tuple[int, int]:
+        grid = self._env.grid
+        for x in range(grid.width):
+            for y in range(grid.height):
+                cell = grid.get(x, y)
+                if cell is not None and cell.type == "goal":
+                    return x, y
+        raise RuntimeError("the grid has no goal")
+
+    def _goal_distance(self) -> int:
+        gx, gy = self._goal_position()
+        ax, ay = (int(v) for v in self._env.agent_pos)
+        return abs(gx - ax) + abs(gy - ay)
+
+    @property
+    def solved(self) -> bool:
+        return self._solved

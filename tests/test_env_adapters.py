@@ -1,0 +1,274 @@
+"""The built-in environment adapters on the real games (minigrid, gym-sokoban): no mocks."""
+
+import random
+import subprocess
+import sys
+from collections import deque
+
+import numpy as np
+import pytest
+import torch
+
+import credit_plugins as cp
+import env_adapters
+from env_adapters import (INVALID_PENALTY, AgentEnv, TrajectoryRecorder, build_prompt, format_action, parse_action,
+                          step_table)
+
+try:  # the games are the [envs] extra
+    import minigrid  # noqa: F401
+
+    from env_adapters.sokoban import _import_sokoban_env
+    _import_sokoban_env()
+except ImportError as e:
+    pytest.skip(f"needs the environment packages (pip install agentcredit[envs]): {e}", allow_module_level=True)
+
+# small games: MiniGrid 5x5 goal room, DoorKey 5x5, Sokoban 6x6 with one box
+GAMES = {
+    "minigrid": dict(size=5),
+    "doorkey": dict(size=5, task="doorkey"),
+    "sokoban": dict(size=6, num_boxes=1),
+}
+
+
+def make(game, **extra):
+    name = "sokoban" if game == "sokoban" else "minigrid"
+    return env_adapters.make(name, **GAMES[game], **extra)
+
+
+def scripted(actions):
+    """A policy that answers the given action texts in order (None: an unparseable response)."""
+    it = iter(actions)
+
+    def policy(prompt):
+        a = next(it)
+        return "I am not sure what to do" if a is None else format_action(a, think="scripted")
+    return policy
+
+
+def bfs_plan(env, seed, max_nodes=20000):
+    """Shortest list of legal actions from reset(seed) to success, found with snapshot/restore."""
+    env.reset(seed)
+    start = env.snapshot()
+    seen = {env.state_key()}
+    queue = deque([(start, [])])
+    while queue and len(seen) < max_nodes:
+        snap, plan = queue.popleft()
+        for a in env.legal_actions():
+            env.restore(snap)
+            res = env.step(a)
+            if res.success:
+                return plan + [a]
+            key = env.state_key()
+            if not res.done and key not in seen:
+                seen.add(key)
+                queue.append((env.snapshot(), plan + [a]))
+    raise AssertionError(f"no solution found from seed {seed}")
+
+
+def two_paths_to_one_state(env, seed):
+    """Two different action sequences from reset(seed) that end in the same game state (not the start)."""
+    env.reset(seed)
+    first = {env.state_key(): []}
+    queue = deque([(env.snapshot(), [])])
+    while queue:
+        snap, plan = queue.popleft()
+        for a in env.legal_actions():
+            env.restore(snap)
+            res = env.step(a)
+            key = env.state_key()
+            if res.done:
+                continue
+            if key in first:
+                if first[key] and first[key] != plan + [a]:
+                    return first[key], plan + [a]
+                continue
+            first[key] = plan + [a]
+            queue.append((env.snapshot(), plan + [a]))
+    raise AssertionError("every state is reached by one path only")
+
+
+# ---- prompt/parse layer ------------------------------------------------------------------------------------------
+def test_parse_action_takes_the_last_action_block_stripped():
+    assert parse_action("<think>x</think><action>  move   forward </action>") == "move forward"
+    assert parse_action("<action>up</action> then <action>left</action>") == "left"
+    assert parse_action("<think>hm</think> up") is None
+    assert parse_action("<action>   </action>") is None
+    assert parse_action("<action>up") is None
+    assert parse_action(None) is None
+
+
+def test_build_prompt_shows_only_the_last_history_length_steps():
+    history = [(f"obs{i}", f"act{i}") for i in range(5)] + [("obs5", None)]
+    prompt = build_prompt("TASK", history, "NOW", ["up", "down"], history_length=2)
+    assert prompt.startswith("TASK")
+    assert "already taken 6 step(s)" in prompt
+    assert "obs4" in prompt and "obs5" in prompt and "(invalid)" in prompt and "obs3" not in prompt
+    assert "NOW" in prompt and '["up", "down"]' in prompt and "<action> </action>" in prompt
+    assert "obs5" not in build_prompt("TASK", history, "NOW", None, history_length=0)
+
+
+# ---- the AgentEnv contract ---------------------------------------------------------------------------------------
+def test_registry_lists_both_builtins_and_the_cli_shows_their_provider():
+    assert {"minigrid", "sokoban"} <= set(env_adapters.available())
+    out = subprocess.run([sys.executable, "-m", "credit_plugins.cli", "list", "envs"], capture_output=True,
+                         text=True, check=True).stdout
+    for name in ("minigrid", "sokoban"):
+        line = next(line for line in out.splitlines() if line.strip().startswith(name))
+        assert "builtin_envs" in line and "(package" in line
+
+
+@pytest.mark.parametrize("game", GAMES)
+def test_adapters_satisfy_the_agent_env_protocol(game):
+    env = make(game)
+    assert isinstance(env, AgentEnv)
+    assert env.task and env.legal_actions()
+
+
+@pytest.mark.parametrize("game", GAMES)
+def test_same_seed_gives_same_initial_observation_and_state_key(game):
+    a, b = make(game), make(game)
+    obs_a, obs_b = a.reset(3), b.reset(3)
+    assert obs_a == obs_b and a.state_key() == b.state_key()
+    b.step(b.legal_actions()[0])
+    assert b.reset(3) == obs_a  # a reset restores the seeded layout after play
+
+
+@pytest.mark.parametrize("game", ["minigrid", "sokoban"])
+def test_different_seeds_give_different_layouts(game):
+    env = make(game)
+    assert len({env.reset(s) for s in range(6)}) > 1
+
+
+def test_make_seed_option_is_the_default_reset_seed():
+    env = env_adapters.make("minigrid", size=5, seed=0)
+    assert env.reset() == env.reset(0)
+    assert env_adapters.make("minigrid", size=7).reset(0).count("\n") == 7  # 7 grid rows + the status line
+
+
+def test_sokoban_reset_leaves_the_global_random_state_alone():
+    np.random.seed(123)
+    random.seed(123)
+    expected = (np.random.rand(), random.random())
+    np.random.seed(123)
+    random.seed(123)
+    make("sokoban").reset(5)
+    assert (np.random.rand(), random.random()) == expected
+
+
+@pytest.mark.parametrize("game", ["minigrid", "sokoban"])
+def test_same_game_state_has_the_same_key_whatever_the_history(game):
+    env = make(game)
+    path_a, path_b = two_paths_to_one_state(env, seed=1)
+    assert path_a != path_b
+    n = max(len(path_a), len(path_b)) + 1
+    rec = TrajectoryRecorder(max_steps=n)
+    for path in (path_a, path_b):
+        # play the path, then unparseable answers: the next row records the state the path ended in
+        rec.rollout(env, scripted(path + [None] * (n - len(path))), seed=1, group=0)
+    end_a, end_b = (tr.steps[len(p)] for tr, p in zip(rec.trajectories, (path_a, path_b)))
+    assert end_a.state_key == end_b.state_key and end_a.state == end_b.state
+    assert [s.action_key for s in rec.trajectories[0].steps] != [s.action_key for s in rec.trajectories[1].steps]
+
+
+@pytest.mark.parametrize("game", GAMES)
+def test_solver_reaches_success_with_reward_10_at_the_last_step(game):
+    env = make(game)
+    plan = bfs_plan(env, seed=2)
+    rec = TrajectoryRecorder(max_steps=len(plan) + 5)
+    tr = rec.rollout(env, scripted(plan), seed=2)
+    assert tr.success and not tr.truncated and len(tr.steps) == len(plan)
+    assert [s.reward for s in tr.steps] == [0.0] * (len(plan) - 1) + [10.0]
+    steps = rec.to_step_table()
+    assert steps.success.all() and not steps.truncated.any() and float(steps.returns[0]) == 10.0
+
+
+@pytest.mark.parametrize("game", ["minigrid", "sokoban"])
+def test_unparseable_or_inadmissible_action_is_penalised_and_leaves_the_state(game):
+    env = make(game)
+    rec = TrajectoryRecorder(max_steps=3)
+    tr = rec.rollout(env, scripted([None, "fly away", env.legal_actions()[0]]), seed=0)
+    assert [s.t for s in tr.steps] == [0, 1, 2]  # invalid steps count
+    assert [s.reward for s in tr.steps[:2]] == [INVALID_PENALTY, INVALID_PENALTY] == [-0.1, -0.1]
+    assert tr.steps[0].action_text is None and tr.steps[1].action_text == "fly away"
+    assert tr.steps[0].state_key == tr.steps[1].state_key == tr.steps[2].state_key
+    table = rec.to_step_table()
+    assert table.action.tolist()[:2] == [-1, -1] and table.action[2] != -1
+    assert table.state[0] == table.state[1] == table.state[2]
+
+
+def test_truncation_at_max_steps_sets_truncated():
+    env = make("minigrid")
+    rec = TrajectoryRecorder(max_steps=3)
+    tr = rec.rollout(env, scripted(["turn left"] * 3), seed=0)
+    assert tr.truncated and not tr.success and len(tr.steps) == 3
+    table = rec.to_step_table()
+    assert table.truncated.all() and not table.success.any()
+
+
+@pytest.mark.parametrize("game", GAMES)
+def test_snapshot_restore_round_trip(game):
+    env = make(game)
+    env.reset(4)
+    snap, key = env.snapshot(), env.state_key()
+    moves = [env.legal_actions()[i % len(env.legal_actions())] for i in (2, 0, 2, 3, 2)]
+    first = [env.step(a).observation for a in moves]
+    env.restore(snap)
+    assert env.state_key() == key
+    assert [env.step(a).observation for a in moves] == first  # the game continues identically after a restore
+
+
+def test_minigrid_shaping_rewards_progress_toward_the_goal_and_is_off_by_default():
+    plain, shaped = make("minigrid"), make("minigrid", shaping=0.5)
+    plan = bfs_plan(plain, seed=2)
+    shaped.reset(2)
+    plain.reset(2)
+    rewards = [shaped.step(a).reward for a in plan]
+    assert [plain.step(a).reward for a in plan][-1] == 10.0
+    forward = [r for a, r in zip(plan, rewards) if a == "move forward"]
+    assert all(r > 0 for r in forward) and rewards[-1] == 10.5  # each move on a shortest path gains 0.5
+
+
+def test_recorded_step_table_feeds_gigpo_with_anchor_revisits():
+    rng = random.Random(0)
+    rec = TrajectoryRecorder(max_steps=12)
+    for group, (game, seed) in enumerate([("minigrid", 0), ("sokoban", 1)]):
+        env = make(game)
+        for _ in range(4):  # G = 4 rollouts of one task, random legal moves and some invalid answers
+            choices = env.legal_actions() + [None]
+            rec.rollout(env, lambda prompt: (format_action(rng.choice(choices[:-1])) if rng.random() > 0.2
+                                             else "no idea"), seed=seed, group=group)
+    steps = rec.to_step_table()
+    assert steps.n_groups == 2 and steps.n_traj == 8
+    start_rows = steps.t == 0
+    for g in range(2):
+        assert len(set(steps.state[start_rows & (steps.row_group == g)].tolist())) == 1  # the shared start state
+    anchor, n_anchor = steps.anchor
+    assert n_anchor < len(steps)  # states are revisited across the rollouts of a group
+    adv = cp.get("gigpo")(steps)
+    assert adv.shape == (len(steps),) and bool(torch.isfinite(adv).all())
+    assert step_table(rec.trajectories).n_steps == len(steps)
+
+
+# ---- errors ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, module", [("sokoban", "gym_sokoban"), ("minigrid", "minigrid")])
+def test_missing_env_package_says_pip_install_agentcredit_envs(monkeypatch, name, module):
+    monkeypatch.setitem(sys.modules, module, None)  # makes `import module` fail as if it were not installed
+    with pytest.raises(ImportError, match=r"pip install agentcredit\[envs\]"):
+        env_adapters.make(name)
+
+
+def test_unknown_option_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['sizee'\] for environment 'minigrid'.*'size'"):
+        env_adapters.make("minigrid", sizee=5)
+    with pytest.raises(ValueError, match=r"unknown env 'chess'; available: \['minigrid', 'sokoban'"):
+        env_adapters.make("chess")
+
+
+def test_step_after_the_episode_ended_is_an_error_not_a_silent_step():
+    env = make("minigrid")
+    plan = bfs_plan(env, seed=2)
+    env.reset(2)
+    for a in plan:
+        env.step(a)
+    with pytest.raises(RuntimeError, match="reset"):
+        env.step("turn left")
