@@ -19,7 +19,10 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 from typing import Any
+
+import torch
 
 from . import adapter
 from .adapter import publish
@@ -46,34 +49,45 @@ def _name(adv_estimator: Any) -> str:
     return getattr(adv_estimator, "value", adv_estimator)
 
 
+def _wraps_once(what: str, params: tuple[str, ...]):
+    """Decorator for a wrapper factory: check ``orig``'s signature, wrap it once, mark the result as ours."""
+
+    def decorate(build):
+        @functools.wraps(build)
+        def wrap(orig):
+            if getattr(orig, "_agentcredit", False):
+                return orig
+            _check(orig, what, params)
+            wrapped = functools.wraps(orig)(build(orig))
+            wrapped._agentcredit = True
+            return wrapped
+
+        return wrap
+
+    return decorate
+
+
+@_wraps_once("compute_advantage(data, adv_estimator, ...)", ("data", "adv_estimator"))
 def wrap_compute_advantage(orig):
     """Wrap ``compute_advantage(data, adv_estimator, ...)`` to publish ``data.non_tensor_batch`` metadata."""
-    if getattr(orig, "_agentcredit", False):
-        return orig
-    _check(orig, "compute_advantage(data, adv_estimator, ...)", ("data", "adv_estimator"))
 
-    @functools.wraps(orig)
     def compute_advantage(data, adv_estimator, *args, **kwargs):
         if _name(adv_estimator) not in OURS:
             return orig(data, adv_estimator, *args, **kwargs)
         with publish(RowMeta.from_non_tensor_batch(data.non_tensor_batch)):
             return orig(data, adv_estimator, *args, **kwargs)
 
-    compute_advantage._agentcredit = True
     return compute_advantage
 
 
+@_wraps_once("PPOTrainer._compute_advantage(self, batch, metrics)", ("self", "batch", "metrics"))
 def wrap_v1_compute_advantage(orig):
     """Wrap ``PPOTrainer._compute_advantage(self, batch, metrics)`` to publish the rows' ``extra_fields``."""
-    if getattr(orig, "_agentcredit", False):
-        return orig
-    _check(orig, "PPOTrainer._compute_advantage(self, batch, metrics)", ("self", "batch", "metrics"))
     import transfer_queue as tq
 
     _check(getattr(tq, "kv_batch_get", None), "transfer_queue.kv_batch_get(keys, partition_id, select_fields)",
            ("keys", "partition_id", "select_fields"))
 
-    @functools.wraps(orig)
     def _compute_advantage(self, batch, metrics):
         if _name(self.config.algorithm.adv_estimator) not in OURS:
             return orig(self, batch, metrics)
@@ -86,7 +100,6 @@ def wrap_v1_compute_advantage(orig):
         metrics.update(meta.stats)
         return out
 
-    _compute_advantage._agentcredit = True
     return _compute_advantage
 
 
@@ -95,8 +108,6 @@ STATE_FILE = "agentcredit_estimators.pt"
 
 def _checkpoint_folder(trainer) -> str | None:
     """The ``global_step_N`` folder verl just saved to or resumed from (same rules as verl's trainer)."""
-    import os
-
     cfg = trainer.config.trainer
     if getattr(trainer, "global_steps", 0) <= 0:
         return None
@@ -106,64 +117,40 @@ def _checkpoint_folder(trainer) -> str | None:
     return os.path.join(cfg.default_local_dir, f"global_step_{trainer.global_steps}")
 
 
+@_wraps_once("PPOTrainer._save_checkpoint(self)", ("self",))
 def wrap_save_checkpoint(orig):
     """After verl saves a checkpoint, save the stateful estimators' ``state_dict()`` beside it."""
-    if getattr(orig, "_agentcredit", False):
-        return orig
-    _check(orig, "PPOTrainer._save_checkpoint(self)", ("self",))
 
-    @functools.wraps(orig)
     def _save_checkpoint(self, *args, **kwargs):
         out = orig(self, *args, **kwargs)
         states = adapter.state_dicts()
         folder = _checkpoint_folder(self)
         if states and folder is not None:
-            import os
-
-            import torch
-
             torch.save(states, os.path.join(folder, STATE_FILE))
         return out
 
-    _save_checkpoint._agentcredit = True
     return _save_checkpoint
 
 
+@_wraps_once("PPOTrainer._load_checkpoint(self)", ("self",))
 def wrap_load_checkpoint(orig):
     """After verl resumes, restore the stateful estimators saved with that checkpoint."""
-    if getattr(orig, "_agentcredit", False):
-        return orig
-    _check(orig, "PPOTrainer._load_checkpoint(self)", ("self",))
 
-    @functools.wraps(orig)
     def _load_checkpoint(self, *args, **kwargs):
         out = orig(self, *args, **kwargs)
         folder = _checkpoint_folder(self)
-        if folder is not None:
-            import os
-
-            import torch
-
-            path = os.path.join(folder, STATE_FILE)
-            if os.path.exists(path):
-                states = torch.load(path, weights_only=False)
-                adapter.load_state_dicts(states)
-                logger.warning("agentcredit: restored the state of %s from %s", sorted(states), path)
+        path = None if folder is None else os.path.join(folder, STATE_FILE)
+        if path is not None and os.path.exists(path):
+            states = torch.load(path, weights_only=False)
+            adapter.load_state_dicts(states)
+            logger.warning("agentcredit: restored the state of %s from %s", sorted(states), path)
         return out
 
-    _load_checkpoint._agentcredit = True
     return _load_checkpoint
 
 
-def _patch_ray_trainer(module) -> None:
-    module.compute_advantage = wrap_compute_advantage(module.compute_advantage)
-
-
-def _patch_separation(module) -> None:
-    module.compute_advantage = wrap_compute_advantage(module.compute_advantage)
-
-
-def _patch_v1_utils(module) -> None:
+def _patch_compute_advantage(module) -> None:
+    """Each module that binds ``compute_advantage`` by name gets its binding wrapped."""
     module.compute_advantage = wrap_compute_advantage(module.compute_advantage)
 
 
@@ -175,9 +162,9 @@ def _patch_v1_trainer(module) -> None:
 
 
 TARGETS = {
-    "verl.trainer.ppo.ray_trainer": _patch_ray_trainer,
-    "verl.experimental.separation.ray_trainer": _patch_separation,
-    "verl.trainer.ppo.v1.utils": _patch_v1_utils,
+    "verl.trainer.ppo.ray_trainer": _patch_compute_advantage,
+    "verl.experimental.separation.ray_trainer": _patch_compute_advantage,
+    "verl.trainer.ppo.v1.utils": _patch_compute_advantage,
     "verl.trainer.ppo.v1.trainer_base": _patch_v1_trainer,
 }
 
