@@ -1,0 +1,238 @@
+"""verl agent loop that plays an ``env_adapters`` environment and emits one row per env step (verl 0.9.1, v1 trainer).
+
+Importing this module registers :class:`EnvAgentLoop` with verl's agent-loop registry under the name
+``agentcredit_env`` (``verl.experimental.agent_loop.agent_loop.register``). ``import env_adapters`` does not import
+it (nor verl): within env_adapters, only this module imports verl.
+
+Selecting it in verl (v1 trainer, ``trainer.use_v1=True``, verl's default)
+-------------------------------------------------------------------------
+Either through an agent-loop config file (no import needed: verl's ``AgentLoopWorker`` puts each entry in the
+registry and hydra imports the ``_target_``; the extra keys become the constructor options below)::
+
+    actor_rollout_ref.rollout.agent.agent_loop_config_path=agentcredit_env.yaml
+    actor_rollout_ref.rollout.agent.default_agent_loop=agentcredit_env       # or a dataset column agent_name
+    # agentcredit_env.yaml:
+    # - name: agentcredit_env
+    #   _target_: env_adapters.verl.EnvAgentLoop
+    #   env_name: minigrid
+    #   env_options: {size: 5}
+    #   max_steps: 8
+    #   history_length: 2
+
+or by name with the default options, once this module is imported in the agent-loop worker processes, e.g. with
+``VERL_USE_EXTERNAL_MODULES=env_adapters.verl`` in the environment ray's workers inherit (verl imports it on
+``import verl``)::
+
+    actor_rollout_ref.rollout.agent.default_agent_loop=agentcredit_env
+
+The legacy trainer (``trainer.use_v1=False``) is not supported: its ``AgentLoopWorker`` takes one output per
+trajectory, and this loop returns a list.
+
+Per-sample dataset fields (top-level columns; each may also sit in the ``extra_info`` dict, verl's RLHFDataset
+convention; a top-level column wins). All ``rollout.n`` sessions of a prompt get the same fields, so they start
+from the same state (one GiGPO group):
+
+==================  ==========  =============================================================================
+field               type        meaning (default)
+==================  ==========  =============================================================================
+``env_name``        str         registered environment, ``env_adapters.make(env_name, **env_options)``
+                                (the loop's ``env_name`` option, default ``"minigrid"``)
+``env_options``     dict        options of the environment factory, merged over the loop's ``env_options``
+``seed``            int         reset seed of the episode (None: the env's own default)
+``max_steps``       int         step limit of this episode (the loop's ``max_steps``, default 8)
+``raw_prompt``      list        verl's chat messages; only its ``system`` messages are used (prepended to every
+                                turn); verl's post-processing requires the field anyway
+==================  ==========  =============================================================================
+
+What one episode returns
+------------------------
+``run`` returns ``list[AgentLoopOutput]``, **one per env step** t = 0..T-1. Output t has the prompt of turn t
+(``build_prompt`` of the current observation with the last ``history_length`` steps, tokenized with the tokenizer's
+chat template through verl's Continuous Token builder, exactly as ``SingleTurnAgentLoop`` does), the model's
+response tokens with ``response_mask`` 1 (at most ``rollout.response_length``), and
+``extra_fields`` with the :mod:`credit_plugins.verl.contract` keys::
+
+    step_idx     t
+    anchor_key   env.state_key() before the action
+    action_key   env.action_key(parsed action) (None: no parseable / admissible action)
+    step_reward  r_t of env.step (success reward, invalid-action penalty, optional shaping)
+    success      the episode ended in success (same on every row of the episode)
+    truncated    the episode hit max_steps without a terminal state (same on every row)
+    valid        the action was admissible (bool)
+    min_global_steps / max_global_steps   the rollout server's weight versions (None when it reports none)
+    reward_extra_info   {"success": 0/1, "episode_return": sum r_t, "episode_steps": T}
+
+Every row carries the same keys (verl's batch balancing copies the first row's ``extra_fields`` into its padding
+rows, and the credit bridge requires a contract key on all rows or none). ``reward_score`` of the final output is
+the **episode return** ``sum_t r_t`` (so an outcome estimator such as verl's ``grpo``, which reads the final row's
+score, and a step-level one, which reads ``step_reward``, see the same total); verl's ``AgentLoopWorkerTQ`` copies
+it to the earlier outputs. Rows are stored under ``{uid}_{session_id}_{t}``.
+
+Not supported: multimodal observations, rollout tracing (``rollout_trace_op``), teacher logprobs for rows other
+than the final one (verl 0.9.1 computes them only for the final output).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+from uuid import uuid4
+
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
+from verl.utils.profiler import simple_timer
+
+import env_adapters
+
+from .prompting import build_prompt, parse_action
+
+__all__ = ["EnvAgentLoop", "AGENT_NAME", "SAMPLE_FIELDS"]
+
+logger = logging.getLogger("agentcredit")
+
+AGENT_NAME = "agentcredit_env"
+#: dataset fields the loop reads (top level, or inside ``extra_info``)
+SAMPLE_FIELDS = ("env_name", "env_options", "seed", "max_steps")
+#: server-reported extra_fields the loop forwards to every row (verl's staleness tags read them)
+_SERVER_KEYS = ("min_global_steps", "max_global_steps")
+
+
+def _sample_field(kwargs: Mapping[str, Any], name: str, default: Any = None) -> Any:
+    if kwargs.get(name) is not None:
+        return kwargs[name]
+    extra = kwargs.get("extra_info")
+    if isinstance(extra, Mapping) and extra.get(name) is not None:
+        return extra[name]
+    return default
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars and 0-d tensors (what verl's batches hand over) as Python values."""
+    item = getattr(value, "item", None)
+    if item is not None and getattr(value, "ndim", 1) == 0:
+        return item()
+    tolist = getattr(value, "tolist", None)
+    return tolist() if tolist is not None else value
+
+
+@register(AGENT_NAME)
+class EnvAgentLoop(AgentLoopBase):
+    """Plays one ``env_adapters`` episode per rollout; one ``AgentLoopOutput`` per step.
+
+    Args (besides verl's ``AgentLoopBase`` ones; set them in the agent-loop config file):
+        env_name: environment used when a sample has no ``env_name`` field.
+        env_options: factory options merged under a sample's ``env_options``.
+        max_steps: step limit when a sample has no ``max_steps`` field.
+        history_length: past (observation, action) steps shown in each prompt.
+    """
+
+    def __init__(self, *args, env_name: str = "minigrid", env_options: Mapping[str, Any] | None = None,
+                 max_steps: int = 8, history_length: int = 2, **kwargs):
+        kwargs.pop("tools", None)  # verl passes its tool list to every loop; an env loop has no tools
+        kwargs.pop("name", None)   # the 'name' key of an agent_loop_config_path entry
+        super().__init__(*args, **kwargs)
+        self.env_name = env_name
+        self.env_options = dict(env_options or {})
+        self.max_steps = int(max_steps)
+        self.history_length = int(history_length)
+        if self.max_steps < 1:
+            raise ValueError(f"max_steps={self.max_steps}; an episode needs at least one step")
+        self.response_length = self.rollout_config.response_length
+
+    def make_env(self, kwargs: Mapping[str, Any]):
+        """The environment of one sample: ``env_adapters.make(env_name, **{**loop options, **env_options})``."""
+        name = str(_plain(_sample_field(kwargs, "env_name", self.env_name)))
+        options = dict(self.env_options)
+        sample_options = _sample_field(kwargs, "env_options", None)
+        if sample_options is not None:
+            if not isinstance(sample_options, Mapping):
+                raise TypeError(f"dataset field env_options must be a dict, got {type(sample_options).__name__}")
+            options.update({k: _plain(v) for k, v in sample_options.items() if v is not None})
+        return env_adapters.make(name, **options)
+
+    async def _generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
+                        priority: int = 0):
+        """One model turn, called as ``SingleTurnAgentLoop`` calls verl's ``LLMServerClient.generate``."""
+        return await self.server_manager.generate(
+            request_id=request_id,
+            prompt_ids=prompt_ids,
+            sampling_params=sampling_params,
+            image_data=None,
+            audio_data=None,
+            video_data=None,
+            mm_processor_output=None,
+            mm_processor_kwargs=self._get_mm_processor_kwargs(None),
+            priority=priority,
+        )
+
+    def _filler_token(self) -> int:
+        for tid in (self.tokenizer.eos_token_id, self.tokenizer.pad_token_id):
+            if isinstance(tid, int):
+                return tid
+        return 0
+
+    async def run(self, sampling_params: dict[str, Any], priority: int = 0, **kwargs) -> list[AgentLoopOutput]:
+        env = self.make_env(kwargs)
+        seed = _plain(_sample_field(kwargs, "seed", None))
+        max_steps = int(_plain(_sample_field(kwargs, "max_steps", self.max_steps)))
+        system = [dict(m) for m in (kwargs.get("raw_prompt") or []) if isinstance(m, Mapping)
+                  and m.get("role") == "system"]
+        legal = getattr(env, "legal_actions", None)
+        # one request id per episode, as ToolAgentLoop does (sticky server: the turns share the task prefix)
+        full_determinism = getattr(self.rollout_config, "full_determinism", False)
+        request_id = f"det-{int(priority)}" if full_determinism else uuid4().hex
+
+        observation = env.reset(None if seed is None else int(seed))
+        history: list[tuple[str, str | None]] = []
+        steps: list[dict[str, Any]] = []
+        done = success = False
+        for t in range(max_steps):
+            anchor = env.state_key()
+            user = build_prompt(getattr(env, "task", ""), history, observation,
+                                legal() if legal is not None else None, self.history_length)
+            prompt_ids = await self.ct_build_initial_tokens(system + [{"role": "user", "content": user}])
+            metrics: dict[str, Any] = {}
+            with simple_timer("generate_sequences", metrics):
+                out = await self._generate(prompt_ids, sampling_params, request_id, int(priority))
+            metrics["num_preempted"] = out.num_preempted if out.num_preempted is not None else -1
+            merge, response_mask, response_logprobs = await self.ct_merge_assistant_token(
+                prompt_ids, out.token_ids, [], [] if out.log_probs else None,
+                assistant_logprobs=out.log_probs if out.log_probs else None)
+            response_ids = merge.token_ids[-len(response_mask):] if response_mask else []
+            prompt_ids = merge.token_ids[: len(merge.token_ids) - len(response_mask)]
+            if not response_ids:  # an empty generation: one masked-out token, so verl's rm_scores[-1] exists
+                response_ids, response_mask = [self._filler_token()], [0]
+                response_logprobs = [0.0] if response_logprobs is not None else None
+            # the action is parsed from what is trained on: the first response_length generated tokens
+            text = self.tokenizer.decode(out.token_ids[: self.response_length], skip_special_tokens=True)
+
+            action_text = parse_action(text)
+            action_key = env.action_key(action_text) if action_text is not None else None
+            result = env.step(action_text)
+            steps.append(dict(
+                prompt_ids=prompt_ids, response_ids=response_ids[: self.response_length],
+                response_mask=response_mask[: self.response_length],
+                response_logprobs=response_logprobs[: self.response_length] if response_logprobs else None,
+                metrics=metrics, server_extra=dict(out.extra_fields or {}),
+                extra={"step_idx": t, "anchor_key": anchor, "action_key": action_key,
+                       "step_reward": float(result.reward), "valid": action_key is not None}))
+            history.append((observation, action_key))
+            observation = result.observation
+            if result.done:
+                done, success = True, bool(result.success)
+                break
+
+        episode_return = float(sum(s["extra"]["step_reward"] for s in steps))
+        reward_extra_info = {"success": float(success), "episode_return": episode_return,
+                             "episode_steps": len(steps)}
+        outputs = []
+        for i, s in enumerate(steps):
+            extra = dict(s["extra"], success=success, truncated=not done,
+                         reward_extra_info=dict(reward_extra_info))
+            extra.update({k: s["server_extra"].get(k) for k in _SERVER_KEYS})
+            last = i == len(steps) - 1
+            outputs.append(AgentLoopOutput(
+                prompt_ids=s["prompt_ids"], response_ids=s["response_ids"], response_mask=s["response_mask"],
+                response_logprobs=s["response_logprobs"], reward_score=episode_return if last else None,
+                num_turns=2, metrics=AgentLoopMetrics(**s["metrics"]), extra_fields=extra))
+        return outputs

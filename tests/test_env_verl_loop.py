@@ -1,0 +1,415 @@
+"""env_adapters.verl's agent loop against the real verl 0.9.1 on CPU.
+
+Real: verl's agent-loop registry and hydra instantiation (``AgentLoopWorker._run_agent_loop``), the Continuous
+Token builder (chat template), ``AgentLoopWorkerTQ._agent_loop_postprocess`` and its scoring / position-id helpers
+writing into a real TransferQueue, ``PPOTrainer._compute_advantage`` with ``adv_estimator=gigpo`` (the agentcredit
+bridge), verl's batch padding, a real (tiny, random) Qwen2 model and BPE tokenizer built here, MiniGrid.
+Stand-in: the rollout server (verl's need CUDA/vLLM): ``HFServer.generate`` has ``LLMServerClient.generate``'s
+signature and runs ``model.generate`` (or tokenizes scripted action texts).
+"""
+
+import asyncio
+import functools
+import os
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("verl", reason="the [verl] extra is not installed")
+pytest.importorskip("minigrid", reason="the [envs] extra is not installed")
+
+import verl  # noqa: E402,F401  (loads the credit bridge through the verl.plugins entry point)
+from omegaconf import OmegaConf  # noqa: E402
+
+import env_adapters  # noqa: E402
+from env_adapters.prompting import build_prompt, format_action  # noqa: E402
+
+pytestmark = pytest.mark.verl
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+ENV_OPTIONS = {"size": 5}
+SEED = 3
+PROMPT_LEN, RESPONSE_LEN = 1024, 24
+CONTRACT = ("step_idx", "anchor_key", "action_key", "step_reward", "success", "truncated", "reward_extra_info")
+
+
+# ---- a tiny real model and tokenizer, built locally -------------------------------------------------------
+def _corpus():
+    env = env_adapters.make("minigrid", **ENV_OPTIONS)
+    texts = []
+    for seed in range(6):
+        obs = env.reset(seed)
+        texts.append(build_prompt(env.task, [(obs, "turn left")], obs, env.legal_actions()))
+    texts += [format_action(a, think="the goal is ahead") for a in env.legal_actions()] * 4
+    return texts
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(_corpus(), trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  bos_token=None, chat_template=CHATML)
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+class HFServer:
+    """The one stand-in: ``LLMServerClient.generate``'s signature, backed by ``model.generate`` (or a script of
+    action texts, tokenized, for episodes with valid actions)."""
+
+    def __init__(self, model, tokenizer, script=None):
+        self.model, self.tokenizer = model, tokenizer
+        self.script = None if script is None else iter(script)
+        self.calls = []
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, image_data=None, video_data=None,
+                       audio_data=None, mm_processor_kwargs=None, **kwargs):
+        from verl.workers.rollout.replica import TokenOutput
+
+        self.calls.append({"request_id": request_id, "prompt_ids": list(prompt_ids), **kwargs})
+        eos = self.tokenizer.eos_token_id
+        if self.script is not None:
+            action = next(self.script)
+            if action == "":  # an empty generation
+                return TokenOutput(token_ids=[])
+            text = "I do not know" if action is None else format_action(action, think="scripted")
+            return TokenOutput(token_ids=self.tokenizer.encode(text, add_special_tokens=False) + [eos])
+        temperature = float(sampling_params.get("temperature", 1.0))
+        gen = dict(max_new_tokens=int(sampling_params.get("max_tokens", RESPONSE_LEN)), eos_token_id=eos,
+                   pad_token_id=self.tokenizer.pad_token_id, do_sample=temperature > 0)
+        if temperature > 0:
+            top_k = int(sampling_params.get("top_k", -1))
+            gen.update(temperature=temperature, top_p=float(sampling_params.get("top_p", 1.0)),
+                       top_k=top_k if top_k > 0 else 0)
+        with torch.no_grad():
+            out = self.model.generate(torch.tensor([list(prompt_ids)]), return_dict_in_generate=True,
+                                      output_logits=True, **gen)
+        token_ids = out.sequences[0, len(prompt_ids):]
+        log_probs = None
+        if sampling_params.get("logprobs"):  # the logprob of each sampled token under the unwarped logits
+            logits = torch.stack(out.logits, dim=1)[0].float()
+            log_probs = torch.log_softmax(logits, -1).gather(-1, token_ids[:, None])[:, 0].tolist()
+        return TokenOutput(token_ids=token_ids.tolist(), log_probs=log_probs, stop_reason="completed")
+
+
+# ---- real TransferQueue (ray) ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def transfer_queue():
+    ray = pytest.importorskip("ray")
+    import transfer_queue as tq
+
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    cfg = OmegaConf.load(os.path.join(verl.__path__[0], "trainer/config/transfer_queue/transfer_queue.yaml"))
+    cfg.enable = True
+    cfg.backend.SimpleStorage.num_data_storage_units = 1
+    cfg.backend.SimpleStorage.total_storage_size = 1000
+    tq.init(cfg)
+    yield tq
+    tq.close()
+    if started_ray:
+        ray.shutdown()
+
+
+def _config(step_weight=0.5, logprobs=False):
+    return OmegaConf.create({
+        "actor_rollout_ref": {"rollout": {"n": 2, "prompt_length": PROMPT_LEN, "response_length": RESPONSE_LEN,
+                                          "temperature": 1.0, "top_p": 1.0, "top_k": -1, "full_determinism": False,
+                                          "calculate_log_probs": logprobs}},
+        "data": {"apply_chat_template_kwargs": {}},
+        "algorithm": {"adv_estimator": "gigpo", "gamma": 1.0, "lam": 1.0, "use_kl_in_reward": False,
+                      "norm_adv_by_std_in_grpo": True, "gigpo": {"step_weight": step_weight}},
+    })
+
+
+def _fake_worker(config, server, tokenizer):
+    """An ``AgentLoopWorkerTQ`` without its constructor (which loads the model config and starts ray clients): the
+    attributes its methods read, and its real methods ``_run_agent_loop``, ``_agent_loop_postprocess``,
+    ``_compute_score`` (no reward workers: the loop scores itself), ``_compute_teacher_logprobs`` (distillation
+    off), ``_compute_multi_modal_inputs`` and ``_compute_position_ids`` (no processor: text only)."""
+    from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    worker_cls = AgentLoopWorkerTQ.__ray_metadata__.modified_class
+    fake = types.SimpleNamespace(config=config, llm_client=server, tokenizer=tokenizer, processor=None,
+                                 hf_model_type="qwen2", dataset_cls=RLHFDataset, tools=[], mm_processor_kwargs={},
+                                 reward_loop_worker_handles=None, distillation_enabled=False)
+    for name in ("_run_agent_loop", "_agent_loop_postprocess", "_compute_score", "_compute_teacher_logprobs",
+                 "_compute_multi_modal_inputs", "_compute_position_ids", "_get_mm_processor_kwargs"):
+        setattr(fake, name, functools.partial(getattr(worker_cls, name), fake))
+    return fake
+
+
+def _rollout_group(config, servers, tokenizer, uid, max_steps=None, agent_name="agentcredit_env", **fields):
+    """``rollout.n`` sessions of one prompt, as ``AgentLoopWorkerTQ._run_prompt`` starts them (each through the
+    real ``AgentLoopWorker._run_agent_loop``: registry lookup, hydra instantiation, run, post-processing)."""
+    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+
+    import env_adapters.verl  # noqa: F401  (registers agentcredit_env)
+
+    assert agent_name in _agent_loop_registry
+    prompt = dict(uid=uid, global_steps=1, index=0, data_source="minigrid", agent_name=agent_name,
+                  raw_prompt=[{"role": "system", "content": "You play grid games."}])
+    prompt.update(fields or dict(env_name="minigrid", env_options=dict(ENV_OPTIONS), seed=SEED,
+                                 extra_info={"max_steps": max_steps}))
+    rollout = config.actor_rollout_ref.rollout
+    sampling = dict(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                    repetition_penalty=1.0, logprobs=rollout.calculate_log_probs)
+
+    async def run_all():
+        tasks = [_fake_worker(config, server, tokenizer)._run_agent_loop(
+            sampling, {"step": 1, "sample_index": 0, "rollout_n": i, "validate": False}, trace=False,
+            session_id=i, **prompt) for i, server in enumerate(servers)]
+        await asyncio.gather(*tasks)
+
+    asyncio.run(run_all())
+
+
+def _run_advantage(tq, keys, tags, config):
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    metrics = {}
+    batch = KVBatchMeta(partition_id="train", keys=list(keys), tags=list(tags))
+    PPOTrainer._compute_advantage(types.SimpleNamespace(config=config), batch, metrics=metrics)
+    adv = tq.kv_batch_get(keys=list(keys), partition_id="train", select_fields=["advantages"])["advantages"]
+    return list(adv.unbind(0)), metrics
+
+
+def _rows(tq, uid, n_sessions):
+    """The stored rows of ``uid``: ``{session: [row dict, ...]}`` found by probing the ``{uid}_{s}_{i}`` keys."""
+    out = {}
+    for s in range(n_sessions):
+        rows, i = [], 0
+        while True:
+            key = f"{uid}_{s}_{i}"
+            try:
+                data = tq.kv_batch_get(keys=[key], partition_id="train",
+                                       select_fields=["extra_fields", "rm_scores", "responses", "response_mask"])
+            except Exception:
+                break
+            ef = data["extra_fields"]
+            ef = ef.tolist() if hasattr(ef, "tolist") else list(ef)
+            rows.append({"key": key, "extra": ef[0], "rm_scores": data["rm_scores"][0],
+                         "response_mask": data["response_mask"][0], "responses": data["responses"][0]})
+            i += 1
+            if ef[0]["step_idx"] != i - 1 or i > 50:
+                raise AssertionError(f"row {key} has step_idx {ef[0]['step_idx']}")
+        out[s] = rows
+    return out
+
+
+def _bfs_plan(env, seed):
+    """Shortest list of legal actions from reset(seed) to the goal (snapshot/restore search)."""
+    from collections import deque
+
+    env.reset(seed)
+    queue, seen = deque([(env.snapshot(), [])]), {env.state_key()}
+    while queue:
+        snap, plan = queue.popleft()
+        for a in env.legal_actions():
+            env.restore(snap)
+            r = env.step(a)
+            if r.success:
+                return plan + [a]
+            if not r.done and env.state_key() not in seen:
+                seen.add(env.state_key())
+                queue.append((env.snapshot(), plan + [a]))
+    raise AssertionError("no plan")
+
+
+# ---- tests -------------------------------------------------------------------------------------------------
+def test_import_env_adapters_does_not_need_the_verl_loop_and_verl_can_load_it():
+    import subprocess
+    import sys
+
+    code = "import sys, env_adapters; print('env_adapters.verl' in sys.modules, 'verl' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.stdout.strip().splitlines()[-1] == "False False"
+    # and verl loads it by name from VERL_USE_EXTERNAL_MODULES (the agent-loop workers' route to the registry)
+    code = ("import verl\nfrom verl.experimental.agent_loop.agent_loop import _agent_loop_registry as r\n"
+            "print(r['agentcredit_env'])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env=dict(os.environ, VERL_USE_EXTERNAL_MODULES="env_adapters.verl",
+                                   PYTHONWARNINGS="ignore"))
+    assert proc.stdout.strip().splitlines()[-1] == "{'_target_': 'env_adapters.verl.EnvAgentLoop'}"
+
+
+def _check_contract(rows, max_steps):
+    for s, steps in rows.items():
+        assert 1 <= len(steps) <= max_steps
+        last = steps[-1]["extra"]
+        total = sum(r["extra"]["step_reward"] for r in steps)
+        for i, r in enumerate(steps):
+            e = r["extra"]
+            assert r["key"].endswith(f"_{s}_{i}")
+            assert set(CONTRACT) <= set(e), sorted(e)
+            assert e["step_idx"] == i and isinstance(e["anchor_key"], str)
+            assert e["valid"] == (e["action_key"] is not None)
+            assert e["success"] == last["success"] and e["truncated"] == last["truncated"]
+            assert e["reward_extra_info"] == last["reward_extra_info"]
+            assert e["reward_extra_info"]["episode_steps"] == len(steps)
+            # the final reward (the episode return) on the last step; verl copies it to the earlier rows
+            assert float(r["rm_scores"].sum()) == pytest.approx(total)
+            assert r["responses"].shape == r["response_mask"].shape
+        assert last["reward_extra_info"]["episode_return"] == pytest.approx(total)
+        assert last["reward_extra_info"]["success"] == float(last["success"])
+        assert last["truncated"] == (not last["success"] and len(steps) == max_steps)
+    # the same keys on every row (verl's padding copies the first row's extra_fields)
+    assert len({frozenset(r["extra"]) for steps in rows.values() for r in steps}) == 1
+
+
+def _keys(rows):
+    return [r["key"] for s in sorted(rows) for r in rows[s]]
+
+
+def _check_padding(tq, keys, config, adv, eos, n_pad=3):
+    """verl's batch balancing on these rows: padding rows (the first row as template) get advantage 0, the real
+    rows keep theirs."""
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.padding_utils import upsample_batch_to_divisible_size
+
+    batch = KVBatchMeta(partition_id="train", keys=keys, tags=[{"status": "success"}] * len(keys))
+    batch = upsample_batch_to_divisible_size(batch, batch_multiple=len(keys) + n_pad, eos_token_id=eos)
+    assert len(batch.keys) == len(keys) + n_pad and all(t["is_padding"] for t in batch.tags[len(keys):])
+    adv_p, metrics = _run_advantage(tq, batch.keys, batch.tags, config)
+    per_row = torch.stack([a[0] for a in adv_p])
+    assert torch.all(per_row[len(keys):] == 0) and metrics["agentcredit/padding_rows"] == n_pad
+    assert torch.allclose(per_row[: len(keys)], torch.stack([a[0] for a in adv]), atol=1e-6)
+
+
+def test_random_model_rollouts_through_verl_postprocess_and_gigpo(transfer_queue, model_and_tokenizer):
+    model, tok = model_and_tokenizer
+    torch.manual_seed(1)
+    config = _config(logprobs=True)
+    servers = [HFServer(model, tok) for _ in range(2)]
+    _rollout_group(config, servers, tok, uid="rand", max_steps=3)
+    rows = _rows(transfer_queue, "rand", 2)
+    _check_contract(rows, max_steps=3)
+    for s, steps in rows.items():
+        assert len(servers[s].calls) == len(steps)  # one model call per step
+        for call, r in zip(servers[s].calls, steps):
+            assert 1 <= int(r["response_mask"].sum()) <= RESPONSE_LEN  # the model's own tokens
+            # the prompt of the turn went through the chat template, with the system message
+            text = tok.decode(call["prompt_ids"])
+            assert text.startswith("<|im_start|>system\nYou play grid games.<|im_end|>\n<|im_start|>user\n")
+            assert text.endswith("<|im_start|>assistant\n")
+            assert f"You are now at step {r['extra']['step_idx'] + 1} " in text
+        assert len({c["request_id"] for c in servers[s].calls}) == 1  # one sticky request id per episode
+    # first rows: the reset state, the same in both sessions (one GiGPO step group)
+    assert rows[0][0]["extra"]["anchor_key"] == rows[1][0]["extra"]["anchor_key"]
+    # rollout logprobs (rollout.calculate_log_probs) reach TransferQueue, one per response token
+    keys = _keys(rows)
+    lp = transfer_queue.kv_batch_get(keys=keys, partition_id="train", select_fields=["rollout_log_probs"])
+    for r, row_lp in zip([r for s in sorted(rows) for r in rows[s]], lp["rollout_log_probs"].unbind(0)):
+        assert row_lp.shape == r["responses"].shape and torch.all(row_lp <= 0)
+
+    adv, metrics = _run_advantage(transfer_queue, keys, [{"status": "success"}] * len(keys), config)
+    assert len(adv) == len(keys) and all(torch.isfinite(a).all() for a in adv)
+    assert metrics["agentcredit/steps"] == len(keys) and metrics["agentcredit/trajectories"] == 2
+    _check_padding(transfer_queue, keys, config, adv, tok.eos_token_id)
+
+
+def test_scripted_valid_rollouts_give_step_level_advantages(transfer_queue, model_and_tokenizer):
+    model, tok = model_and_tokenizer
+    env = env_adapters.make("minigrid", **ENV_OPTIONS)
+    plan = _bfs_plan(env, SEED)
+    max_steps = len(plan) + 2
+    assert len(plan) >= 2
+    # session 0 solves the room; session 1 starts with an invalid answer, then turns in place until the limit
+    config = _config()
+    servers = [HFServer(model, tok, plan), HFServer(model, tok, [None] + ["turn left"] * (max_steps - 1))]
+    _rollout_group(config, servers, tok, uid="script", max_steps=max_steps)
+    rows = _rows(transfer_queue, "script", 2)
+    _check_contract(rows, max_steps)
+    win, lose = rows[0], rows[1]
+    assert len(win) == len(plan) and win[-1]["extra"]["success"] and not win[-1]["extra"]["truncated"]
+    assert [r["extra"]["action_key"] for r in win] == plan
+    assert [r["extra"]["step_reward"] for r in win] == [0.0] * (len(plan) - 1) + [10.0]
+    assert len(lose) == max_steps and lose[-1]["extra"]["truncated"] and not lose[-1]["extra"]["success"]
+    assert lose[0]["extra"]["action_key"] is None and lose[0]["extra"]["step_reward"] == pytest.approx(-0.1)
+    assert lose[1]["extra"]["anchor_key"] == lose[0]["extra"]["anchor_key"]  # an invalid step leaves the state
+    assert float(win[0]["rm_scores"].sum()) == 10.0
+    # the response tokens are the scripted text, all of them the model's (mask 1)
+    assert bool(win[0]["response_mask"].all())
+    assert tok.decode(win[0]["responses"], skip_special_tokens=True) == format_action(plan[0], think="scripted")
+
+    keys = _keys(rows)
+    adv, metrics = _run_advantage(transfer_queue, keys, [{"status": "success"}] * len(keys), config)
+    per_row = torch.stack([a[0] for a in adv])
+    assert torch.isfinite(per_row).all()
+    n_win = len(win)
+    assert (per_row[:n_win] > 0).all() and (per_row[n_win:] < 0).all()
+    # step level: rows of one trajectory differ
+    assert len(set(per_row[:n_win].tolist())) > 1 and len(set(per_row[n_win:].tolist())) > 1
+    # one value per row, broadcast over the row's response tokens (all of them the model's here)
+    masks = transfer_queue.kv_batch_get(keys=keys, partition_id="train", select_fields=["response_mask"])
+    for a, m in zip(adv, masks["response_mask"].unbind(0)):
+        assert a.shape == m.shape and torch.equal(a, a[0] * m)
+    _check_padding(transfer_queue, keys, config, adv, tok.eos_token_id)
+
+
+def test_agent_loop_config_file_options_and_an_empty_generation(transfer_queue, model_and_tokenizer, tmp_path):
+    """The loop selected through rollout.agent.agent_loop_config_path (hydra _target_, options as constructor
+    arguments), a sample with only a seed, and a server that returns no tokens."""
+    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+
+    model, tok = model_and_tokenizer
+    path = tmp_path / "agent_loops.yaml"
+    path.write_text("- name: minigrid_h0\n  _target_: env_adapters.verl.EnvAgentLoop\n  env_name: minigrid\n"
+                    "  env_options: {size: 5}\n  max_steps: 2\n  history_length: 0\n")
+    for cfg in OmegaConf.load(path):  # what AgentLoopWorker.__init__ does with agent_loop_config_path
+        _agent_loop_registry[cfg.name] = cfg
+    try:
+        servers = [HFServer(model, tok, ["", "turn right"])]
+        _rollout_group(_config(), servers, tok, uid="cfgfile", agent_name="minigrid_h0", seed=SEED)
+        rows = _rows(transfer_queue, "cfgfile", 1)
+    finally:
+        _agent_loop_registry.pop("minigrid_h0", None)
+    _check_contract(rows, max_steps=2)
+    steps = rows[0]
+    assert len(steps) == 2 and steps[-1]["extra"]["truncated"]  # max_steps from the config file
+    assert steps[0]["extra"]["action_key"] is None and int(steps[0]["response_mask"].sum()) == 0
+    assert steps[1]["extra"]["action_key"] == "turn right"
+    assert "Prior to this step" not in tok.decode(servers[0].calls[1]["prompt_ids"])  # history_length 0
+    env = env_adapters.make("minigrid", **ENV_OPTIONS)
+    env.reset(SEED)
+    assert steps[0]["extra"]["anchor_key"] == env.state_key()  # the sample's seed
+
+
+def test_verl_knows_the_agent_loop_by_name_through_the_entry_point():
+    code = ("import sys, verl\nassert 'env_adapters.verl' not in sys.modules\n"
+            "from verl.experimental.agent_loop import agent_loop as al\n"
+            "print(al._agent_loop_registry['agentcredit_env'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, PYTHONWARNINGS="ignore")).stdout
+    assert "env_adapters.verl" in out
