@@ -19,9 +19,9 @@ registry and hydra imports the ``_target_``; the extra keys become the construct
     #   max_steps: 8
     #   history_length: 2
 
-or by name with the default options, once this module is imported in the agent-loop worker processes, e.g. with
-``VERL_USE_EXTERNAL_MODULES=env_adapters.verl`` in the environment ray's workers inherit (verl imports it on
-``import verl``)::
+or by name with the default options: the ``verl.plugins`` entry point :mod:`env_adapters.verl_plugin` imports this
+module as soon as verl's agent-loop module is imported (``VERL_USE_EXTERNAL_MODULES=env_adapters.verl`` does the
+same where entry points are not installed, e.g. Ray ``py_modules``)::
 
     actor_rollout_ref.rollout.agent.default_agent_loop=agentcredit_env
 
