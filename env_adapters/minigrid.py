@@ -141,12 +141,14 @@ class MiniGridAdapter:
         self._actions = self._env.actions
         self._done = True
         self._solved = False
+        self._view: str | None = None  # the drawn state, cached by render()
 
     # ---- AgentEnv -------------------------------------------------------------------------------------------
     def reset(self, seed: int | None = None) -> str:
         seed = self.seed if seed is None else seed
         self._env.reset(seed=None if seed is None else int(seed))
         self._done, self._solved = False, False
+        self._view = None
         return self.render()
 
     def step(self, action_text: str | None) -> StepResult:
@@ -157,6 +159,7 @@ class MiniGridAdapter:
             return StepResult(self.render(), self.invalid_penalty, False, False, {"valid": False, "action_key": None})
         before = self._goal_distance() if self.shaping else 0
         _, _, terminated, _, _ = self._env.step(getattr(self._actions, _MOVES[key]))
+        self._view = None
         cell = self._env.grid.get(*self._env.agent_pos)
         self._solved = bool(terminated and cell is not None and cell.type == "goal")
         self._done = bool(terminated)
@@ -184,10 +187,16 @@ class MiniGridAdapter:
     def restore(self, snap: dict[str, Any]) -> None:
         self._env = copy.deepcopy(snap["env"])
         self._done, self._solved = snap["done"], snap["solved"]
+        self._view = None
 
     # ---- rendering ------------------------------------------------------------------------------------------
     def render(self) -> str:
-        """The full grid, one character per cell, then the agent's position, heading and load."""
+        """The full grid, one character per cell, then the agent's position, heading and load. Drawn once per state: reset, a valid step and restore redraw it."""
+        if self._view is None:
+            self._view = self._draw()
+        return self._view
+
+    def _draw(self) -> str:
         env = self._env
         ax, ay = (int(v) for v in env.agent_pos)
         rows = []

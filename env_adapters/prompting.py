@@ -16,7 +16,7 @@ __all__ = ["INVALID_PENALTY", "parse_action", "format_action", "build_prompt", "
 #: Reward of a step whose response has no parseable or admissible action (verl-agent: invalid-action penalty 0.1).
 INVALID_PENALTY = -0.1
 
-_ACTION = re.compile(r"<action>(.*?)</action>", re.DOTALL | re.IGNORECASE)
+_TAG = re.compile(r"</?action>", re.IGNORECASE)
 _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af]")
 
 #: one past step shown in the prompt: (observation the action was taken in, action text or None if invalid)
@@ -34,13 +34,33 @@ def parse_action(response: str | None) -> str | None:
     """
     if not isinstance(response, str):
         return None
-    blocks = _ACTION.findall(response)
-    if not blocks:
+    block = _last_block(response)
+    if block is None:
         return None
-    action = " ".join(blocks[-1].split())
+    action = " ".join(block.split())
     if not action or _CJK.search(action) or "<" in action:
         return None
     return action
+
+
+def _last_block(text: str) -> str | None:
+    """The last match of ``<action>(.*?)</action>`` (case-insensitive, across lines), found in one linear pass over
+    the tags: the regex itself retries from every unclosed opening tag, which is quadratic in their number."""
+    opens, closes = [], []
+    for m in _TAG.finditer(text):
+        (closes if m.group()[1] == "/" else opens).append(m.start())
+    last, resume, j = None, 0, 0
+    for start in opens:
+        if start < resume:  # inside the previous block
+            continue
+        while j < len(closes) and closes[j] < start + len("<action>"):
+            j += 1
+        if j == len(closes):
+            break
+        last = text[start + len("<action>"):closes[j]]
+        resume = closes[j] + len("</action>")
+        j += 1
+    return last
 
 
 def format_action(action: str, think: str = "") -> str:

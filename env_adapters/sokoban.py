@@ -97,6 +97,7 @@ class SokobanAdapter:
                         max_steps=2**62, reset=False)
         self._done = True
         self._solved = False
+        self._view: str | None = None  # the drawn state, cached by render()
 
     # ---- AgentEnv -------------------------------------------------------------------------------------------
     def reset(self, seed: int | None = None) -> str:
@@ -113,6 +114,7 @@ class SokobanAdapter:
                 np.random.set_state(np_state)
                 random.setstate(py_state)
         self._done, self._solved = False, False
+        self._view = None
         return self.render()
 
     def step(self, action_text: str | None) -> StepResult:
@@ -122,6 +124,7 @@ class SokobanAdapter:
         if key is None:
             return StepResult(self.render(), self.invalid_penalty, False, False, {"valid": False, "action_key": None})
         _, _, _, info = self._env.step(ACTIONS[key], observation_mode="tiny_rgb_array")
+        self._view = None
         self._solved = bool(self._env._check_if_all_boxes_on_target())
         self._done = self._solved
         reward = self.success_reward if self._solved else 0.0
@@ -155,10 +158,16 @@ class SokobanAdapter:
         e.box_mapping = dict(snap["box_mapping"])
         e.num_env_steps, e.boxes_on_target = snap["num_env_steps"], snap["boxes_on_target"]
         self._done, self._solved = snap["done"], snap["solved"]
+        self._view = None
 
     # ---- rendering ------------------------------------------------------------------------------------------
     def render(self) -> str:
-        """The room in verl-agent's glyphs, one row per line."""
+        """The room in verl-agent's glyphs, one row per line. Drawn once per state: reset, a valid step and restore redraw it."""
+        if self._view is None:
+            self._view = self._draw()
+        return self._view
+
+    def _draw(self) -> str:
         room = self._env.room_state.copy()
         room[(self._env.room_fixed == 2) & (room == 5)] = 6
         return "\n".join("".join(GLYPHS[int(c)] for c in row) for row in room)
