@@ -30,6 +30,7 @@ __all__ = ["SokobanAdapter", "GLYPHS", "ACTIONS"]
 GLYPHS = {0: "#", 1: "_", 2: "O", 3: "√", 4: "X", 5: "P", 6: "S"}
 #: action word -> gym-sokoban action id (push actions: push if a box is ahead, else move)
 ACTIONS = {"up": 1, "down": 2, "left": 3, "right": 4}
+_DIGIT_TO_GLYPH = str.maketrans({str(code): glyph for code, glyph in GLYPHS.items()})
 
 TASK = ("You are an expert agent playing Sokoban. Your goal is to push every box onto a target.\n"
         "Symbols: # wall, _ floor, O target, X box, √ box on target, P you, S you on a target.\n"
@@ -123,9 +124,10 @@ class SokobanAdapter:
         key = self.action_key(action_text)
         if key is None:
             return StepResult(self.render(), self.invalid_penalty, False, False, {"valid": False, "action_key": None})
-        _, _, _, info = self._env.step(ACTIONS[key], observation_mode="tiny_rgb_array")
+        _, _, done, info = self._env.step(ACTIONS[key], observation_mode="tiny_rgb_array")
         self._view = None
-        self._solved = bool(self._env._check_if_all_boxes_on_target())
+        # gym-sokoban's done is "all boxes on targets or its step limit", and its limit is out of reach
+        self._solved = bool(done)
         self._done = self._solved
         reward = self.success_reward if self._solved else 0.0
         return StepResult(self.render(), reward, self._done, self._solved,
@@ -170,7 +172,10 @@ class SokobanAdapter:
     def _draw(self) -> str:
         room = self._env.room_state.copy()
         room[(self._env.room_fixed == 2) & (room == 5)] = 6
-        return "\n".join("".join(GLYPHS[int(c)] for c in row) for row in room)
+        # cell codes as the digits "0".."6" in one string, mapped to glyphs by str.translate (no per-cell Python)
+        cells = (room.astype(np.uint8) + ord("0")).tobytes().decode("ascii").translate(_DIGIT_TO_GLYPH)
+        width = room.shape[1]
+        return "\n".join(cells[i:i + width] for i in range(0, len(cells), width))
 
     @property
     def solved(self) -> bool:
