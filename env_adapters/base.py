@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["AgentEnv", "StepResult", "EnvSpec", "missing_package"]
+__all__ = ["AgentEnv", "StepResult", "EnvSpec", "DrawnState", "missing_package"]
 
 
 @dataclass
@@ -51,6 +51,25 @@ class AgentEnv(Protocol):
     def state_key(self) -> str: ...
 
     def action_key(self, action_text: str | None) -> str | None: ...
+
+
+class DrawnState:
+    """Mixin for adapters whose observation is a drawing of the game state: :meth:`render` draws it once per state
+    (the adapter's ``_draw()``) and returns that text until the adapter calls :meth:`_state_changed` (after reset, a
+    valid step and restore). The observation and ``state_key()`` of one step then cost one drawing."""
+
+    _view: str | None = None
+
+    def render(self) -> str:
+        if self._view is None:
+            self._view = self._draw()
+        return self._view
+
+    def _state_changed(self) -> None:
+        self._view = None
+
+    def _draw(self) -> str:  # pragma: no cover - each adapter draws its own game
+        raise NotImplementedError
 
 
 def missing_package(package: str, env: str) -> ImportError:

@@ -22,7 +22,7 @@ import importlib
 from collections import deque
 from typing import Any
 
-from .base import StepResult, missing_package
+from .base import DrawnState, StepResult, missing_package
 from .prompting import INVALID_PENALTY
 
 __all__ = ["MiniGridAdapter", "TASKS"]
@@ -102,7 +102,7 @@ def _distance(grid, start: tuple[int, int], goal: tuple[int, int]) -> int | None
     return None
 
 
-class MiniGridAdapter:
+class MiniGridAdapter(DrawnState):
     """MiniGrid worlds as an ``AgentEnv``.
 
     Args:
@@ -141,14 +141,13 @@ class MiniGridAdapter:
         self._actions = self._env.actions
         self._done = True
         self._solved = False
-        self._view: str | None = None  # the drawn state, cached by render()
 
     # ---- AgentEnv -------------------------------------------------------------------------------------------
     def reset(self, seed: int | None = None) -> str:
         seed = self.seed if seed is None else seed
         self._env.reset(seed=None if seed is None else int(seed))
         self._done, self._solved = False, False
-        self._view = None
+        self._state_changed()
         return self.render()
 
     def step(self, action_text: str | None) -> StepResult:
@@ -159,7 +158,7 @@ class MiniGridAdapter:
             return StepResult(self.render(), self.invalid_penalty, False, False, {"valid": False, "action_key": None})
         before = self._goal_distance() if self.shaping else 0
         _, _, terminated, _, _ = self._env.step(getattr(self._actions, _MOVES[key]))
-        self._view = None
+        self._state_changed()
         cell = self._env.grid.get(*self._env.agent_pos)
         self._solved = bool(terminated and cell is not None and cell.type == "goal")
         self._done = bool(terminated)
@@ -187,16 +186,11 @@ class MiniGridAdapter:
     def restore(self, snap: dict[str, Any]) -> None:
         self._env = copy.deepcopy(snap["env"])
         self._done, self._solved = snap["done"], snap["solved"]
-        self._view = None
+        self._state_changed()
 
     # ---- rendering ------------------------------------------------------------------------------------------
-    def render(self) -> str:
-        """The full grid, one character per cell, then the agent's position, heading and load. Drawn once per state: reset, a valid step and restore redraw it."""
-        if self._view is None:
-            self._view = self._draw()
-        return self._view
-
     def _draw(self) -> str:
+        """The full grid, one character per cell, then the agent's position, heading and load."""
         env = self._env
         ax, ay = (int(v) for v in env.agent_pos)
         rows = []

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import StepResult, missing_package
+from .base import DrawnState, StepResult, missing_package
 from .prompting import INVALID_PENALTY
 
 __all__ = ["SokobanAdapter", "GLYPHS", "ACTIONS"]
@@ -69,7 +69,7 @@ def _import_sokoban_env() -> type:
     return module.SokobanEnv
 
 
-class SokobanAdapter:
+class SokobanAdapter(DrawnState):
     """Sokoban rooms from gym-sokoban as an ``AgentEnv``.
 
     Args:
@@ -98,7 +98,6 @@ class SokobanAdapter:
                         max_steps=2**62, reset=False)
         self._done = True
         self._solved = False
-        self._view: str | None = None  # the drawn state, cached by render()
 
     # ---- AgentEnv -------------------------------------------------------------------------------------------
     def reset(self, seed: int | None = None) -> str:
@@ -115,7 +114,7 @@ class SokobanAdapter:
                 np.random.set_state(np_state)
                 random.setstate(py_state)
         self._done, self._solved = False, False
-        self._view = None
+        self._state_changed()
         return self.render()
 
     def step(self, action_text: str | None) -> StepResult:
@@ -125,7 +124,7 @@ class SokobanAdapter:
         if key is None:
             return StepResult(self.render(), self.invalid_penalty, False, False, {"valid": False, "action_key": None})
         _, _, done, info = self._env.step(ACTIONS[key], observation_mode="tiny_rgb_array")
-        self._view = None
+        self._state_changed()
         # gym-sokoban's done is "all boxes on targets or its step limit", and its limit is out of reach
         self._solved = bool(done)
         self._done = self._solved
@@ -160,16 +159,11 @@ class SokobanAdapter:
         e.box_mapping = dict(snap["box_mapping"])
         e.num_env_steps, e.boxes_on_target = snap["num_env_steps"], snap["boxes_on_target"]
         self._done, self._solved = snap["done"], snap["solved"]
-        self._view = None
+        self._state_changed()
 
     # ---- rendering ------------------------------------------------------------------------------------------
-    def render(self) -> str:
-        """The room in verl-agent's glyphs, one row per line. Drawn once per state: reset, a valid step and restore redraw it."""
-        if self._view is None:
-            self._view = self._draw()
-        return self._view
-
     def _draw(self) -> str:
+        """The room in verl-agent's glyphs, one row per line."""
         room = self._env.room_state.copy()
         room[(self._env.room_fixed == 2) & (room == 5)] = 6
         # cell codes as the digits "0".."6" in one string, mapped to glyphs by str.translate (no per-cell Python)

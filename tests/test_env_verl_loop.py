@@ -119,26 +119,6 @@ class HFServer:
         return TokenOutput(token_ids=token_ids.tolist(), log_probs=log_probs, stop_reason="completed")
 
 
-# ---- real TransferQueue (ray) ------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def transfer_queue():
-    ray = pytest.importorskip("ray")
-    import transfer_queue as tq
-
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    cfg = OmegaConf.load(os.path.join(verl.__path__[0], "trainer/config/transfer_queue/transfer_queue.yaml"))
-    cfg.enable = True
-    cfg.backend.SimpleStorage.num_data_storage_units = 1
-    cfg.backend.SimpleStorage.total_storage_size = 1000
-    tq.init(cfg)
-    yield tq
-    tq.close()
-    if started_ray:
-        ray.shutdown()
-
-
 def _config(step_weight=0.5, logprobs=False):
     return OmegaConf.create({
         "actor_rollout_ref": {"rollout": {"n": 2, "prompt_length": PROMPT_LEN, "response_length": RESPONSE_LEN,

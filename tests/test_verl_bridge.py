@@ -199,22 +199,6 @@ def test_hydra_composes_ppo_trainer_with_our_overrides_without_plus():
 
 
 # ---- v1: real TransferQueue, real agent-loop post-processing, real PPOTrainer._compute_advantage -------------
-@pytest.fixture(scope="module")
-def transfer_queue():
-    ray = pytest.importorskip("ray")
-    import transfer_queue as tq
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    cfg = OmegaConf.load(os.path.join(verl.__path__[0], "trainer/config/transfer_queue/transfer_queue.yaml"))
-    cfg.enable = True
-    cfg.backend.SimpleStorage.num_data_storage_units = 1
-    cfg.backend.SimpleStorage.total_storage_size = 1000
-    tq.init(cfg)
-    yield tq
-    tq.close()
-    ray.shutdown()
-
-
 def _postprocess():
     from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
 
