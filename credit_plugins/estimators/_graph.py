@@ -31,6 +31,7 @@ import scipy.sparse.csgraph as csgraph
 import scipy.sparse.linalg as spla
 import torch
 
+from ..segments import segment_sum
 from ..steptable import StepTable
 
 __all__ = ["TransitionGraph", "transition_graph", "solve", "bellman_iterate", "distance_to_success",
@@ -75,10 +76,8 @@ def transition_graph(steps: StepTable) -> TransitionGraph:
 
 def segment_mean(values: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
     """``out[k] = mean(values[index == k])`` in float64 (0 for empty segments)."""
-    v = values.to(torch.float64)
-    total = torch.zeros(n, dtype=torch.float64).index_add_(0, index, v)
     count = torch.bincount(index, minlength=n).to(torch.float64)
-    return total / count.clamp(min=1)
+    return segment_sum(values, index, n) / count.clamp(min=1)
 
 
 def solve(n: int, src: torch.Tensor, dst: torch.Tensor, coef: torch.Tensor,
