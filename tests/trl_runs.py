@@ -1,0 +1,69 @@
+"""Short real GRPOTrainer runs on the tiny model, shared by tests/test_trl_bridge.py and its two-process check.
+
+Run as a script under ``torchrun --nproc_per_node 2 tests/trl_runs.py OUT.json`` it trains stock GRPO and the
+mixin with ``credit="grpo"`` on the same data and writes each run's ``(loss, grad_norm)`` per step from rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+
+def length_reward(completions, **kwargs):
+    """A reward with spread inside every group: the completion's length mod 5 (plain-text completions)."""
+    return [float(len(c) % 5) for c in completions]
+
+
+def train_plain(trainer_cls, output_dir: str, steps: int = 3, batch: int = 8, num_generations: int = 4,
+                loss_type: str = "grpo", resume: str | None = None, **config):
+    """Train ``trainer_cls`` on the tiny model for ``steps`` steps of a plain-text prompt dataset; return the
+    trainer (its ``state.log_history`` holds loss and grad_norm per step)."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig
+
+    from credit_plugins.models import resolve_model
+
+    path = resolve_model("tiny-qwen2")
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    words = ["left", "right", "up", "down", "goal", "key", "door", "wall"]
+    ds = Dataset.from_dict({"prompt": [f"move {w} {v}" for w in words for v in words]})
+    config.setdefault("save_strategy", "no")
+    args = GRPOConfig(output_dir=output_dir, max_steps=steps, num_generations=num_generations,
+                      per_device_train_batch_size=batch, max_completion_length=10, report_to="none",
+                      logging_steps=1, use_cpu=True, seed=0, learning_rate=1e-3,
+                      loss_type=loss_type, disable_tqdm=True, **config)
+    trainer = trainer_cls(model=model, reward_funcs=[length_reward], args=args, train_dataset=ds,
+                          processing_class=tok)
+    trainer.train(resume_from_checkpoint=os.path.join(output_dir, resume) if resume else None)
+    return trainer
+
+
+def losses(trainer) -> list[tuple[float, float]]:
+    return [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
+
+
+def main(out: str) -> None:
+    from trl import GRPOTrainer
+
+    from credit_plugins.trl import make_trainer
+
+    rank = int(os.environ.get("RANK", "0"))
+    result = {}
+    # per_device 4 x 2 ranks = 8 rollouts per step, num_generations 8: every group spans both ranks
+    for name, cls in (("stock", GRPOTrainer), ("grpo", make_trainer(GRPOTrainer, credit="grpo", eps=1e-4))):
+        trainer = train_plain(cls, os.path.join(os.path.dirname(out), name), batch=4, num_generations=8)
+        result[name] = losses(trainer)
+        result["world"] = trainer.accelerator.num_processes
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
