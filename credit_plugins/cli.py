@@ -1,8 +1,11 @@
-"""``agentcredit`` command line: ``list`` and ``describe NAME``."""
+"""``agentcredit`` command line: ``list``, ``describe NAME`` and ``train RECIPE.yaml [key=value ...]``."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
+import subprocess
 import sys
 
 from . import registry
@@ -37,6 +40,58 @@ def _cmd_describe(args: argparse.Namespace) -> int:
     return 2
 
 
+def verl_command(recipe: str, overrides: list[str]) -> list[str]:
+    """The ``python -m verl.trainer.main_ppo --config-path <abs dir> --config-name <name> [overrides]`` command."""
+    path = os.path.abspath(recipe)
+    name = os.path.splitext(os.path.basename(path))[0]
+    return ["python", "-m", "verl.trainer.main_ppo", "--config-path", os.path.dirname(path), "--config-name", name,
+            *overrides]
+
+
+def _train_error(message: str) -> int:
+    print(f"agentcredit train: error: {' '.join(str(message).split())}", file=sys.stderr)
+    return 2
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .recipe import RecipeError, is_verl_recipe, load_recipe
+
+    overrides = list(args.overrides)
+    bad = [o for o in overrides if o.startswith("-") or "=" not in o]
+    if bad:
+        return _train_error(f"unrecognised argument(s) {bad}; overrides are key=value (learning_rate=1e-4, "
+                            f"agentcredit.credit=graphhca); options: --max-steps N, --no-eval, --run")
+    if not os.path.isfile(args.recipe):
+        return _train_error(f"recipe {args.recipe!r} does not exist")
+    if is_verl_recipe(args.recipe):
+        cmd = verl_command(args.recipe, overrides)
+        print(shlex.join(cmd))
+        if not args.run:
+            print("# a verl (Hydra) recipe: run the command above from the repository root, or add --run",
+                  file=sys.stderr)
+            return 0
+        return subprocess.call([sys.executable, *cmd[1:]])
+    if args.max_steps is not None:
+        if args.max_steps < 1:
+            return _train_error(f"--max-steps must be a positive integer, got {args.max_steps}")
+        overrides.append(f"max_steps={args.max_steps}")  # validated (seed budget) with the rest
+    try:
+        recipe = load_recipe(args.recipe, overrides)
+    except (RecipeError, ImportError, FileNotFoundError) as e:
+        return _train_error(str(e))
+    from . import train
+
+    try:
+        train.run(recipe, max_steps=args.max_steps, eval=not args.no_eval)
+    except RecipeError as e:  # set-up problems found once the model is loaded (freeze_layers too deep, ...)
+        return _train_error(str(e))
+    except ImportError as e:
+        if "agentcredit train needs" in str(e):
+            return _train_error(str(e))
+        raise
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentcredit", description="Credit-assignment and distillation plugins "
                                      "for verl and TRL agent RL.")
@@ -47,11 +102,27 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("describe", help="paper, formula, parameters and required fields of one estimator")
     p.add_argument("name")
     p.set_defaults(func=_cmd_describe)
+    p = sub.add_parser("train", help="train a TRL recipe (recipes/trl/*.yaml); for a verl recipe, print its command",
+                       description="Train a TRL recipe with TRL's GRPOTrainer and an agentcredit estimator. "
+                       "Overrides are key=value: TRL keys at the top level (learning_rate=1e-4), the agentcredit "
+                       "block dotted (agentcredit.credit=graphhca, agentcredit.env_options.size=5). A verl "
+                       "(Hydra) recipe prints the equivalent `python -m verl.trainer.main_ppo` command.")
+    p.add_argument("recipe", help="recipe YAML file")
+    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.add_argument("--max-steps", type=int, default=None, help="override max_steps (smoke runs)")
+    p.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations before and after")
+    p.add_argument("--run", action="store_true", help="verl recipes: run the printed command")
+    p.set_defaults(func=_cmd_train)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if getattr(args, "command", None) != "train":
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = list(args.overrides) + extra  # key=value after an option; _cmd_train checks them
     return args.func(args)
 
 

@@ -20,6 +20,15 @@ def param(default: Any, help: str, **kwargs: Any) -> Any:  # noqa: A002 - mirror
     return dataclasses.field(default=default, metadata={"help": help, **kwargs})
 
 
+def describe_params(params: type) -> list[str]:
+    """One ``name = default`` line per field of a params dataclass, each followed by its wrapped help text."""
+    lines = []
+    for f in dataclasses.fields(params):
+        lines.append(f"  {f.name} = {f.default!r}")
+        lines += ["      " + ln for ln in textwrap.wrap(f.metadata.get("help", ""), 96)]
+    return lines
+
+
 def make_params(cls: type, values: Mapping[str, Any] | None, owner: str):
     """Instantiate the params dataclass ``cls`` from ``values``; unknown keys are a ``ValueError`` listing valid ones."""
     values = dict(values or {})
@@ -104,11 +113,7 @@ class Estimator:
         if self.stateful is not None:
             lines.append(f"stateful: keeps {self.stateful.STATE_DOC} across batches; est = .create(**params), "
                          f"call est(steps) per batch, checkpoint est.state_dict()")
-        lines += ["", "parameters:"]
-        for f in dataclasses.fields(self.params):
-            lines.append(f"  {f.name} = {f.default!r}")
-            lines += ["      " + ln for ln in textwrap.wrap(f.metadata.get("help", ""), 96)]
-        return "\n".join(lines)
+        return "\n".join(lines + ["", "parameters:"] + describe_params(self.params))
 
 
 @dataclass(frozen=True)

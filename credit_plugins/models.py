@@ -84,9 +84,13 @@ def export_smollm2(out: str | os.PathLike) -> None:
     gguf = _smollm2_gguf()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    if tok.pad_token is None or tok.pad_token == tok.eos_token:
-        # the GGUF names <|im_end|> as eos and pad; a separate pad keeps TRL's EOS masking exact
-        tok.pad_token = "<|endoftext|>" if "<|endoftext|>" in tok.get_vocab() else tok.eos_token
+    vocab = tok.get_vocab()
+    # The GGUF metadata names <|im_start|> as eos; a chat turn ends with <|im_end|> (SmolLM2's own
+    # generation_config), and a pad token distinct from it keeps TRL's EOS masking exact.
+    if "<|im_end|>" in vocab:
+        tok.eos_token = "<|im_end|>"
+    if "<|endoftext|>" in vocab:
+        tok.pad_token = "<|endoftext|>"
     tok.padding_side = "left"
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
@@ -186,7 +190,7 @@ def freeze_lower_layers(model, n_layers: int) -> int:
 
 def _decoder_layers(model):
     base = getattr(model, "base_model", model)
-    for path in ("model.layers", "model.model.layers", "transformer.h", "gpt_neox.layers"):
+    for path in ("layers", "model.layers", "model.model.layers", "transformer.h", "gpt_neox.layers"):
         obj = base
         for part in path.split("."):
             obj = getattr(obj, part, None)

@@ -16,7 +16,7 @@ from . import hookspecs
 
 __all__ = ["plugin_manager", "register_plugin", "unregister_plugin", "collect", "get", "available", "describe"]
 
-_BUILTINS = {"builtin": "credit_plugins.estimators"}
+_BUILTINS = {"builtin": "credit_plugins.estimators", "builtin_distill": "distill_plugins.builtin"}
 
 
 @lru_cache(maxsize=1)

@@ -8,9 +8,18 @@ Two tasks:
 * ``"doorkey"``: minigrid's ``DoorKeyEnv`` of that size (pick up the key, open the door, reach the goal); adds
   ``pick up`` and ``open door``.
 
+Two action sets (option ``moves``):
+
+* ``"relative"`` (default): the heading agent above (turn left / turn right / move forward).
+* ``"absolute"`` (task ``"goal"`` only): ``up``, ``down``, ``left``, ``right``. Each sets the minigrid agent's
+  heading (north, south, west, east) and steps ``forward`` on the real env; a move into a wall is a valid action that
+  leaves the state unchanged (as in minigrid). The heading is then irrelevant, so the drawing shows the agent as ``A``
+  and the status line gives the agent's and the goal's cell.
+
 Rendering, one character per cell, one row per line: ``#`` wall, ``.`` floor, ``G`` goal, ``K`` key, ``D`` closed
 door, ``L`` locked door, ``/`` open door, ``V`` lava, and the agent as ``>`` ``v`` ``<`` ``^`` (facing east, south,
-west, north), followed by the agent's position, heading and what it carries. Rewards: 10 on the step that reaches
+west, north; ``A`` with absolute moves), followed by the agent's position, heading and what it carries (absolute
+moves: ``You are at row 2, column 1. The goal G is at row 3, column 4.``). Rewards: 10 on the step that reaches
 the goal, 0 otherwise, plus the invalid-action penalty and, if ``shaping`` > 0, ``shaping * (d_before - d_after)``
 with d the Manhattan distance to the goal (off by default).
 """
@@ -25,7 +34,7 @@ from typing import Any
 from .base import DrawnState, StepResult, missing_package
 from .prompting import INVALID_PENALTY
 
-__all__ = ["MiniGridAdapter", "TASKS"]
+__all__ = ["MiniGridAdapter", "TASKS", "MOVES", "ABSOLUTE"]
 
 HEADINGS = ("east", "south", "west", "north")
 _AGENT = (">", "v", "<", "^")
@@ -34,6 +43,12 @@ _MOVES = {"turn left": "left", "turn right": "right", "move forward": "forward",
           "open door": "toggle"}
 _ALIASES = {"left": "turn left", "right": "turn right", "forward": "move forward", "pickup": "pick up",
             "toggle": "open door"}
+
+#: absolute moves -> minigrid heading (east=0, south=1, west=2, north=3)
+_HEADING_OF = {"right": 0, "down": 1, "left": 2, "up": 3}
+_ABS_ALIASES = {"east": "right", "south": "down", "west": "left", "north": "up"}
+ABSOLUTE = ("up", "down", "left", "right")
+MOVES = ("relative", "absolute")
 
 TASKS = {
     "goal": ("turn left", "turn right", "move forward"),
@@ -113,12 +128,20 @@ class MiniGridAdapter(DrawnState):
         shaping: coefficient of the progress reward ``shaping * (d_before - d_after)``; 0 (default) turns it off.
         success_reward: reward of the step that reaches the goal.
         invalid_penalty: reward of a step without a parseable, admissible action (the state does not change).
+        moves: ``"relative"`` (turn left / turn right / move forward) or ``"absolute"`` (up / down / left / right,
+            task ``"goal"`` only).
     """
 
     def __init__(self, size: int = 5, task: str = "goal", n_walls: int = 0, seed: int | None = None,
-                 shaping: float = 0.0, success_reward: float = 10.0, invalid_penalty: float = INVALID_PENALTY):
+                 shaping: float = 0.0, success_reward: float = 10.0, invalid_penalty: float = INVALID_PENALTY,
+                 moves: str = "relative"):
         if task not in TASKS:
             raise ValueError(f"task={task!r}; choose one of {sorted(TASKS)}")
+        if moves not in MOVES:
+            raise ValueError(f"moves={moves!r}; choose one of {list(MOVES)}")
+        if moves == "absolute" and task != "goal":
+            raise ValueError(f"moves='absolute' is only available for task 'goal' (got task={task!r}); "
+                             f"use moves='relative'")
         if size < (5 if task == "doorkey" else 3):
             raise ValueError(f"size={size} is too small for task {task!r} (walls included)")
         if n_walls < 0 or n_walls > (size - 2) ** 2 - 2:
@@ -126,11 +149,19 @@ class MiniGridAdapter(DrawnState):
         self.size, self.task_name, self.n_walls, self.seed = int(size), task, int(n_walls), seed
         self.shaping, self.success_reward = float(shaping), float(success_reward)
         self.invalid_penalty = float(invalid_penalty)
-        self.legal = TASKS[task]
-        self.task = ("You are an expert agent in a grid world. Your task is to " + _TASK_TEXT[task] + ".\n"
-                     "Map symbols: # wall, . floor, G goal, K key, D closed door, L locked door, / open door; "
-                     "you are shown as >, v, < or ^ (facing east, south, west or north). Row 0 is the top, column "
-                     "0 the left. 'move forward' moves one cell in the direction you face; turning does not move.")
+        self.moves = moves
+        self.absolute = moves == "absolute"
+        self.legal = ABSOLUTE if self.absolute else TASKS[task]
+        if self.absolute:
+            self.task = ("You are an expert agent in a grid world. Your task is to get to the goal G.\n"
+                         "Map: # wall, . floor, G goal, A you. Row 0 is the top, column 0 the left. up: row - 1, "
+                         "down: row + 1, left: column - 1, right: column + 1. Walls block moves.")
+        else:
+            self.task = ("You are an expert agent in a grid world. Your task is to " + _TASK_TEXT[task] + ".\n"
+                         "Map symbols: # wall, . floor, G goal, K key, D closed door, L locked door, / open door; "
+                         "you are shown as >, v, < or ^ (facing east, south, west or north). Row 0 is the top, "
+                         "column 0 the left. 'move forward' moves one cell in the direction you face; turning does "
+                         "not move.")
         big = 10**9  # the step limit is the recorder's (max_steps), minigrid's own is pushed out of reach
         if task == "goal":
             self._env = _goal_room_class()(size=self.size, n_walls=self.n_walls, max_steps=big)
@@ -157,7 +188,12 @@ class MiniGridAdapter(DrawnState):
         if key is None:
             return StepResult(self.render(), self.invalid_penalty, False, False, {"valid": False, "action_key": None})
         before = self._goal_distance() if self.shaping else 0
-        _, _, terminated, _, _ = self._env.step(getattr(self._actions, _MOVES[key]))
+        if self.absolute:
+            self._env.agent_dir = _HEADING_OF[key]
+            move = self._actions.forward
+        else:
+            move = getattr(self._actions, _MOVES[key])
+        _, _, terminated, _, _ = self._env.step(move)
         self._state_changed()
         cell = self._env.grid.get(*self._env.agent_pos)
         self._solved = bool(terminated and cell is not None and cell.type == "goal")
@@ -174,6 +210,10 @@ class MiniGridAdapter(DrawnState):
         if not isinstance(action_text, str):
             return None
         words = " ".join(action_text.strip().lower().split())
+        if self.absolute:
+            words = words[len("move "):] if words.startswith("move ") else words
+            words = _ABS_ALIASES.get(words, words)
+            return words if words in self.legal else None
         words = _ALIASES.get(words, words)
         return words if words in self.legal else None
 
@@ -198,7 +238,7 @@ class MiniGridAdapter(DrawnState):
             row = []
             for x in range(env.grid.width):
                 if (x, y) == (ax, ay):
-                    row.append(_AGENT[env.agent_dir])
+                    row.append("A" if self.absolute else _AGENT[env.agent_dir])
                     continue
                 cell = env.grid.get(x, y)
                 if cell is None:
@@ -208,6 +248,10 @@ class MiniGridAdapter(DrawnState):
                 else:
                     row.append(_CELL.get(cell.type, "?"))
             rows.append("".join(row))
+        if self.absolute:
+            gx, gy = self._goal_position()
+            rows.append(f"You are at row {ay}, column {ax}. The goal G is at row {gy}, column {gx}.")
+            return "\n".join(rows)
         carry = f"a {env.carrying.color} {env.carrying.type}" if env.carrying is not None else "nothing"
         rows.append(f"You are at row {ay}, column {ax}, facing {HEADINGS[env.agent_dir]}; you carry {carry}.")
         return "\n".join(rows)

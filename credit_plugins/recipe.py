@@ -1,0 +1,466 @@
+"""TRL recipes: one YAML file with TRL's own keys plus an ``agentcredit:`` block, loaded and validated up front.
+
+The top-level keys are exactly what ``trl grpo --config`` takes for the trainer and the model: flat
+``trl.GRPOConfig`` and ``trl.ModelConfig`` field names (``learning_rate``, ``loss_type``, ``model_name_or_path``,
+...). The ``agentcredit:`` block says what to play and how to assign credit::
+
+    agentcredit:
+      env: minigrid
+      env_options: {size: 6, shaping: 1.0}
+      bridge: rollout_func            # or environment_factory
+      max_turns: 6
+      groups_per_step: 4              # distinct seeds per optimizer step
+      episodes_per_group: 8           # rollouts per seed
+      credit: gigpo
+      credit_params: {gamma: 0.9}
+
+:func:`load_recipe` merges ``key=value`` overrides (``agentcredit.credit=graphhca``, ``learning_rate=1e-4``), checks
+every key and name (a ``ValueError`` naming the key, listing the valid values and suggesting close matches), builds
+the environment once (a missing game package is an ``ImportError`` naming ``agentcredit.env``) and derives TRL's
+batch geometry from the block, so that one generation round is one optimizer step:
+
+* ``rollout_func`` (one row per turn): ``num_generations = episodes_per_group * max_turns``,
+  ``max_completion_length = max_new_tokens`` unless given;
+* ``environment_factory`` (one row per episode): ``num_generations = episodes_per_group``,
+  ``max_tool_calling_iterations = max_turns`` unless given;
+* both: ``generation_batch_size = groups_per_step * num_generations`` and
+  ``gradient_accumulation_steps = generation_batch_size // (per_device_train_batch_size * world_size)``.
+
+Loading needs TRL (the key sets are its dataclasses' fields) but no model; nothing is imported at module level
+beyond the standard library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Recipe", "AgentCreditConfig", "EvalConfig", "RecipeError", "load_recipe", "is_verl_recipe",
+           "BRIDGES", "PROMPT_STYLES", "parse_overrides", "apply_overrides", "check_seed_budget"]
+
+BRIDGES = ("rollout_func", "environment_factory")
+PROMPT_STYLES = ("compact", "verl-agent")
+_LORA_KEYS = {"r": "r", "alpha": "lora_alpha", "dropout": "lora_dropout", "target_modules": "target_modules",
+              "bias": "bias", "modules_to_save": "modules_to_save", "use_rslora": "use_rslora", "use_dora": "use_dora"}
+# keys the agentcredit block derives; a recipe may set them only to the derived value
+_DERIVED = ("num_generations", "generation_batch_size", "gradient_accumulation_steps", "steps_per_generation")
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run: the message names the key and what would be valid."""
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation before/after training (``agentcredit.eval``)."""
+
+    seeds: list[int] = field(default_factory=lambda: [20000, 20064])  # half-open range [lo, hi)
+    temperature: float = 0.7
+    greedy: bool = False
+    before: bool = True
+    after: bool = True
+    batch_size: int = 64
+
+    @property
+    def seed_list(self) -> list[int]:
+        return list(range(int(self.seeds[0]), int(self.seeds[1])))
+
+
+@dataclass
+class AgentCreditConfig:
+    """The ``agentcredit:`` block of a recipe (see ``recipes/trl/README.md``)."""
+
+    env: str = "minigrid"
+    env_options: dict[str, Any] = field(default_factory=dict)
+    bridge: str = "rollout_func"
+    max_turns: int = 6
+    groups_per_step: int = 4
+    episodes_per_group: int = 8
+    prompt: str = "compact"
+    history_length: int = 0
+    max_new_tokens: int = 8
+    system: str | None = None
+    credit: str = "grpo"
+    credit_params: dict[str, Any] = field(default_factory=dict)
+    schedule: str | None = None
+    freeze_layers: int = 0
+    lora: dict[str, Any] | None = None
+    train_seeds: list[int] = field(default_factory=lambda: [0, 100000])  # half-open range [lo, hi)
+    eval: EvalConfig | None = field(default_factory=EvalConfig)
+
+    def lora_kwargs(self) -> dict[str, Any] | None:
+        """``peft.LoraConfig`` keyword arguments for :attr:`lora` (``None`` without LoRA)."""
+        if self.lora is None:
+            return None
+        out = {_LORA_KEYS[k]: v for k, v in self.lora.items()}
+        out.setdefault("task_type", "CAUSAL_LM")
+        return out
+
+
+@dataclass
+class Recipe:
+    """A validated TRL recipe.
+
+    Attributes:
+        trl_args: ``trl.GRPOConfig`` keyword arguments, batch geometry derived from the agentcredit block included.
+        model_args: ``trl.ModelConfig`` keyword arguments (``model_name_or_path``, ``dtype``, ...).
+        agentcredit: the ``agentcredit:`` block with defaults filled in.
+        path: the YAML file it came from.
+        overrides: the ``key=value`` overrides applied on top of the file.
+    """
+
+    trl_args: dict[str, Any]
+    model_args: dict[str, Any]
+    agentcredit: AgentCreditConfig
+    path: str
+    overrides: list[str] = field(default_factory=list)
+
+    def grpo_config(self, **changes: Any):
+        """A ``trl.GRPOConfig`` from :attr:`trl_args` (``changes`` win, e.g. ``max_steps=2``)."""
+        from trl import GRPOConfig
+
+        return GRPOConfig(**{**self.trl_args, **changes})
+
+    @property
+    def name(self) -> str:
+        return Path(self.path).stem
+
+
+# ---- key sets ------------------------------------------------------------------------------------------------------
+@lru_cache(maxsize=1)
+def _trl_fields() -> tuple[frozenset[str], frozenset[str]]:
+    """Field names of ``trl.GRPOConfig`` and ``trl.ModelConfig``."""
+    from trl import GRPOConfig, ModelConfig
+
+    return (frozenset(f.name for f in dataclasses.fields(GRPOConfig)),
+            frozenset(f.name for f in dataclasses.fields(ModelConfig)))
+
+
+def _trl_default(name: str) -> Any:
+    from trl import GRPOConfig
+
+    return {f.name: f.default for f in dataclasses.fields(GRPOConfig)}[name]
+
+
+def _suggest(key: str, valid) -> str:
+    close = difflib.get_close_matches(str(key), sorted(valid), n=3, cutoff=0.6)
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+
+
+def _unknown_key(where: str, key: str, valid, list_valid: bool = True) -> RecipeError:
+    msg = f"unknown key {key!r} in {where}{_suggest(key, valid)}"
+    if list_valid:
+        msg += f"; valid keys: {', '.join(sorted(valid))}"
+    return RecipeError(msg)
+
+
+# ---- loading ---------------------------------------------------------------------------------------------------------
+def _override_value(item: str) -> tuple[list[str], Any]:
+    """``"a.b=[1, 2]"`` -> ``(["a", "b"], [1, 2])``; the value is parsed as YAML (OmegaConf's dotlist grammar)."""
+    from omegaconf import OmegaConf
+
+    key = item.split("=", 1)[0].strip() if "=" in item else ""
+    if not key or any(not part for part in key.split(".")):
+        raise RecipeError(f"override {item!r} is not key=value (e.g. learning_rate=1e-4, "
+                          f"agentcredit.credit=graphhca, agentcredit.env_options.size=5)")
+    try:
+        node: Any = OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=True)
+    except Exception as e:  # omegaconf grammar errors
+        raise RecipeError(f"cannot parse override {item!r}: {e}") from e
+    path = key.split(".")
+    for part in path:
+        node = node[part]
+    return path, node
+
+
+def apply_overrides(data: dict[str, Any], overrides) -> dict[str, Any]:
+    """Set each ``key=value`` of ``overrides`` into the nested mapping ``data`` (in place; returns it).
+
+    A dotted key sets one entry (``agentcredit.env_options.size=5``); a mapping value replaces the whole entry
+    (``agentcredit.credit_params={}`` clears the parameters).
+    """
+    for item in overrides or ():
+        path, value = _override_value(item)
+        node = data
+        for i, part in enumerate(path[:-1]):
+            if node.get(part) is None:
+                node[part] = {}
+            if not isinstance(node[part], dict):
+                raise RecipeError(f"override {item!r}: {'.'.join(path[:i + 1])} is {node[part]!r}, not a mapping")
+            node = node[part]
+        node[path[-1]] = value
+    return data
+
+
+def parse_overrides(overrides) -> dict[str, Any]:
+    """``["a.b=1", "c=[1,2]"]`` -> ``{"a": {"b": 1}, "c": [1, 2]}``."""
+    return apply_overrides({}, overrides)
+
+
+def _read(path: str | os.PathLike, overrides) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"recipe {str(p)!r} does not exist")
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(p), resolve=True)
+    except Exception as e:
+        raise RecipeError(f"cannot read recipe {str(p)!r}: {e}") from e
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe {str(p)!r} must be a mapping of keys, got {type(data).__name__}")
+    return apply_overrides(data, overrides)
+
+
+def is_verl_recipe(path: str | os.PathLike) -> bool:
+    """True for a Hydra/verl recipe: it has ``defaults:`` or verl's ``algorithm:`` / ``actor_rollout_ref:`` keys."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and bool({"defaults", "algorithm", "actor_rollout_ref"} & set(data))
+
+
+def load_recipe(path: str | os.PathLike, overrides=(), validate_trl: bool = True,
+                build_env: bool = True) -> Recipe:
+    """Load, override and validate the TRL recipe at ``path``; see the module docstring.
+
+    ``overrides`` are ``key=value`` strings, dotted for the block (``agentcredit.env_options.size=5``).
+    ``validate_trl`` also builds the ``trl.GRPOConfig`` once, so TRL's own checks run before any model is loaded;
+    ``build_env`` builds the environment once (a missing game package is an ``ImportError`` naming the key).
+    """
+    overrides = list(overrides or ())
+    data = _read(path, overrides)
+    if is_verl_recipe(path):
+        raise RecipeError(f"{path} is a verl (Hydra) recipe, not a TRL recipe; run it with "
+                          f"python -m verl.trainer.main_ppo (agentcredit train prints the command)")
+    grpo_fields, model_fields = _trl_fields()
+    block = data.pop("agentcredit", None)
+    if block is None:
+        raise RecipeError(f"recipe {str(path)!r} has no 'agentcredit:' block (env, bridge, credit, ...); see "
+                          f"recipes/trl/README.md")
+    trl_args: dict[str, Any] = {}
+    model_args: dict[str, Any] = {}
+    valid_top = grpo_fields | model_fields | {"agentcredit"}
+    for key, value in data.items():
+        if key in model_fields:
+            model_args[key] = value
+        elif key in grpo_fields:
+            trl_args[key] = value
+        else:
+            raise RecipeError(f"unknown top-level key {key!r} in {path}{_suggest(key, valid_top)}; top-level keys "
+                              f"are trl.GRPOConfig and trl.ModelConfig field names (as `trl grpo --config` takes "
+                              f"them) plus the 'agentcredit' block")
+    if not model_args.get("model_name_or_path"):
+        raise RecipeError("model_name_or_path is missing: set a model (a local checkpoint folder, a hub id, or "
+                          "one of the built-in names 'smollm2-135m-instruct', 'tiny-qwen2')")
+    ac = _agentcredit(block, model_args, build_env=build_env)
+    _derive_geometry(trl_args, ac)
+    _check_steps(trl_args, ac)
+    if "report_to" not in trl_args:
+        trl_args["report_to"] = ["tensorboard"] if importlib.util.find_spec("tensorboard") else "none"
+    recipe = Recipe(trl_args=trl_args, model_args=model_args, agentcredit=ac, path=str(path), overrides=overrides)
+    if validate_trl:
+        try:
+            recipe.grpo_config()
+        except (ValueError, TypeError) as e:
+            raise RecipeError(grpo_config_error(e)) from e
+    return recipe
+
+
+def grpo_config_error(e: Exception) -> str:
+    """The message for a ``trl.GRPOConfig`` that rejects the recipe's keys (with a hint for GPU recipes on CPU)."""
+    msg = f"trl.GRPOConfig rejects the recipe: {e}"
+    if "bf16/gpu" in str(e) or "use_cpu" in str(e):
+        msg += " (a GPU recipe on a machine without a GPU: add the override use_cpu=true, or bf16=false)"
+    return msg
+
+
+# ---- the agentcredit block -------------------------------------------------------------------------------------------
+def _positive(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise RecipeError(f"agentcredit.{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _seed_range(name: str, value: Any) -> list[int]:
+    if (not isinstance(value, (list, tuple)) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value) or value[1] <= value[0]
+            or value[0] < 0):
+        raise RecipeError(f"agentcredit.{name} must be a half-open seed range [lo, hi) with 0 <= lo < hi, "
+                          f"got {value!r}")
+    return [int(value[0]), int(value[1])]
+
+
+def _agentcredit(block: Any, model_args: dict[str, Any], build_env: bool) -> AgentCreditConfig:
+    from . import registry
+
+    if not isinstance(block, dict):
+        raise RecipeError(f"agentcredit must be a mapping of keys, got {block!r}")
+    names = [f.name for f in dataclasses.fields(AgentCreditConfig)]
+    for key in block:
+        if key not in names:
+            raise _unknown_key("the agentcredit block", key, names)
+    values = {k: v for k, v in block.items()}
+
+    # eval
+    ev = values.pop("eval", {})
+    if ev is None or ev is False:
+        eval_cfg = None
+    elif isinstance(ev, dict):
+        eval_names = [f.name for f in dataclasses.fields(EvalConfig)]
+        for key in ev:
+            if key not in eval_names:
+                raise _unknown_key("agentcredit.eval", key, eval_names)
+        eval_cfg = EvalConfig(**ev)
+        eval_cfg.seeds = _seed_range("eval.seeds", eval_cfg.seeds)
+        _positive("eval.batch_size", eval_cfg.batch_size)
+        if not isinstance(eval_cfg.temperature, (int, float)) or eval_cfg.temperature <= 0:
+            raise RecipeError(f"agentcredit.eval.temperature must be > 0, got {eval_cfg.temperature!r}")
+    else:
+        raise RecipeError(f"agentcredit.eval must be a mapping (seeds, temperature, greedy, before, after, "
+                          f"batch_size) or null, got {ev!r}")
+    ac = AgentCreditConfig(**values, eval=eval_cfg)
+    for key in ("env_options", "credit_params"):
+        if getattr(ac, key) is None:
+            setattr(ac, key, {})
+        if not isinstance(getattr(ac, key), dict):
+            raise RecipeError(f"agentcredit.{key} must be a mapping, got {getattr(ac, key)!r}")
+
+    # sizes
+    _positive("max_turns", ac.max_turns)
+    _positive("groups_per_step", ac.groups_per_step)
+    _positive("episodes_per_group", ac.episodes_per_group, minimum=2)  # a group compares at least two episodes
+    _positive("max_new_tokens", ac.max_new_tokens)
+    _positive("history_length", ac.history_length, minimum=0)
+    _positive("freeze_layers", ac.freeze_layers, minimum=0)
+    ac.train_seeds = _seed_range("train_seeds", ac.train_seeds)
+
+    # choices
+    if ac.bridge not in BRIDGES:
+        raise RecipeError(f"agentcredit.bridge={ac.bridge!r} is not a bridge{_suggest(ac.bridge, BRIDGES)}; valid: "
+                          f"{', '.join(BRIDGES)} (rollout_func: one row per turn, Markovian prompt; "
+                          f"environment_factory: one row per episode, TRL's tool loop)")
+    if ac.prompt not in PROMPT_STYLES:
+        raise RecipeError(f"agentcredit.prompt={ac.prompt!r} is not a prompt style"
+                          f"{_suggest(ac.prompt, PROMPT_STYLES)}; valid: {', '.join(PROMPT_STYLES)}")
+    estimators = registry.available("estimators")
+    if ac.credit not in estimators:
+        raise RecipeError(f"agentcredit.credit={ac.credit!r} is not a registered estimator"
+                          f"{_suggest(ac.credit, estimators)}; available: {', '.join(estimators)}")
+    try:
+        registry.get(ac.credit).make_params(**ac.credit_params)
+    except (ValueError, TypeError) as e:
+        raise RecipeError(f"agentcredit.credit_params: {e}") from e
+    if ac.schedule is not None:
+        schedulers = registry.available("schedulers")
+        if ac.schedule not in schedulers:
+            raise RecipeError(f"agentcredit.schedule={ac.schedule!r} is not a registered scheduler"
+                              f"{_suggest(ac.schedule, schedulers)}; available: "
+                              f"{', '.join(schedulers) or '(none registered yet)'}")
+
+    # model adaptation: lora (or ModelConfig's use_peft) xor freeze_layers
+    if ac.lora is None and model_args.get("use_peft"):
+        ac.lora = {"r": model_args.get("lora_r", 16), "alpha": model_args.get("lora_alpha", 32),
+                   "dropout": model_args.get("lora_dropout", 0.05)}
+        if model_args.get("lora_target_modules"):
+            ac.lora["target_modules"] = model_args["lora_target_modules"]
+    if ac.lora is not None:
+        if not isinstance(ac.lora, dict):
+            raise RecipeError(f"agentcredit.lora must be a mapping ({', '.join(_LORA_KEYS)}) or null, got {ac.lora!r}")
+        for key in ac.lora:
+            if key not in _LORA_KEYS:
+                raise _unknown_key("agentcredit.lora", key, _LORA_KEYS)
+        if ac.freeze_layers:
+            raise RecipeError(f"agentcredit.lora and agentcredit.freeze_layers={ac.freeze_layers} are both set; use "
+                              f"one: LoRA trains adapters only, freeze_layers trains the upper layers in full")
+        if importlib.util.find_spec("peft") is None:
+            raise ImportError("agentcredit.lora needs the peft package: pip install peft (or agentcredit[trl])")
+
+    # environment
+    envs = registry.available("envs")
+    if ac.env not in envs:
+        raise RecipeError(f"agentcredit.env={ac.env!r} is not a registered environment{_suggest(ac.env, envs)}; "
+                          f"available: {', '.join(envs)}")
+    if build_env:
+        try:
+            registry.get(ac.env, kind="envs")(**ac.env_options)
+        except ImportError as e:
+            raise ImportError(f"agentcredit.env={ac.env!r}: {e}") from e
+        except (ValueError, TypeError) as e:
+            raise RecipeError(f"agentcredit.env_options for env {ac.env!r}: {e}") from e
+    return ac
+
+
+# ---- TRL batch geometry ----------------------------------------------------------------------------------------------
+def _derive_geometry(trl_args: dict[str, Any], ac: AgentCreditConfig) -> None:
+    E, T, P = ac.episodes_per_group, ac.max_turns, ac.groups_per_step
+    if ac.bridge == "rollout_func":
+        G = E * T
+        why = (f"the rollout_func bridge makes one row per turn: num_generations = episodes_per_group * max_turns "
+               f"= {E} * {T}")
+        trl_args.setdefault("max_completion_length", ac.max_new_tokens)
+    else:
+        G = E
+        why = f"the environment_factory bridge makes one row per episode: num_generations = episodes_per_group = {E}"
+        trl_args.setdefault("max_tool_calling_iterations", T)
+    gbs = P * G
+    derived = {"num_generations": (G, why),
+               "generation_batch_size": (gbs, f"generation_batch_size = groups_per_step * num_generations = {P} * {G}")}
+    for key, (value, reason) in derived.items():
+        if trl_args.get(key) is not None and trl_args[key] != value:
+            raise RecipeError(f"{key}={trl_args[key]!r} conflicts with the agentcredit block ({reason} = {value}); "
+                              f"remove {key} from the recipe (it is derived) or change agentcredit.groups_per_step / "
+                              f"episodes_per_group / max_turns")
+        trl_args[key] = value
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    per_device = trl_args.get("per_device_train_batch_size", _trl_default("per_device_train_batch_size"))
+    if isinstance(per_device, bool) or not isinstance(per_device, int) or per_device < 1:
+        raise RecipeError(f"per_device_train_batch_size must be a positive integer, got {per_device!r}")
+    if gbs % (per_device * world):
+        fits = [d for d in range(1, gbs + 1) if gbs % (d * world) == 0]
+        raise RecipeError(f"per_device_train_batch_size={per_device} (x world size {world}) does not divide the "
+                          f"generation batch of {gbs} rows ({derived['generation_batch_size'][1]}); one generation "
+                          f"round must be a whole number of micro-batches. Values that fit: {fits}")
+    ga = gbs // (per_device * world)
+    for key in ("gradient_accumulation_steps", "steps_per_generation"):
+        if trl_args.get(key) is not None and trl_args[key] != ga:
+            raise RecipeError(f"{key}={trl_args[key]!r} conflicts with the agentcredit block: one generation round "
+                              f"({gbs} rows) is one optimizer step, so {key} = generation_batch_size // "
+                              f"(per_device_train_batch_size * world_size) = {gbs} // ({per_device} * {world}) = {ga}; "
+                              f"remove {key} from the recipe")
+    trl_args.pop("steps_per_generation", None)  # TRL derives it from generation_batch_size (both set is an error)
+    trl_args["gradient_accumulation_steps"] = ga
+
+
+def _check_steps(trl_args: dict[str, Any], ac: AgentCreditConfig) -> None:
+    steps = trl_args.get("max_steps")
+    if steps is None or isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise RecipeError(f"max_steps must be set to a positive integer (optimizer steps; the seed dataset is sized "
+                          f"from it), got {steps!r}")
+    check_seed_budget(ac, steps)
+
+
+def check_seed_budget(ac: AgentCreditConfig, max_steps: int) -> None:
+    """``max_steps * groups_per_step`` distinct training seeds must fit in ``train_seeds`` minus the eval seeds."""
+    need = max_steps * ac.groups_per_step
+    lo, hi = ac.train_seeds
+    held = 0
+    if ac.eval is not None:
+        e_lo, e_hi = ac.eval.seeds
+        held = max(0, min(hi, e_hi) - max(lo, e_lo))
+    if hi - lo - held < need:
+        raise RecipeError(f"agentcredit.train_seeds={ac.train_seeds} holds {hi - lo - held} seeds outside the eval "
+                          f"seeds, but max_steps * groups_per_step = {max_steps} * {ac.groups_per_step} = {need} "
+                          f"distinct seeds are needed; widen agentcredit.train_seeds")

@@ -1,0 +1,315 @@
+"""``agentcredit train``: run a TRL recipe (:mod:`credit_plugins.recipe`) with TRL's own ``GRPOTrainer``.
+
+Nothing here is a trainer: :func:`run` loads the model, builds the environment bridge from the recipe's
+``agentcredit:`` block (``env_adapters.trl``, resolved at run time like a plugin path), composes
+``credit_plugins.trl.make_trainer(GRPOTrainer, credit=...)`` and calls ``trainer.train()``. Around it: a held-out
+evaluation before and after (success with its 95 % interval and the valid-action rate), ``metrics.jsonl``,
+``summary.json`` and ``learning_curve.png`` in the run's ``output_dir``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import models
+from .recipe import Recipe, RecipeError, check_seed_budget, grpo_config_error
+
+__all__ = ["run", "RunResult", "train_seeds", "load_bridge", "format_eval_table"]
+
+BRIDGE_MODULE = "env_adapters.trl"
+
+
+@dataclass
+class RunResult:
+    """What :func:`run` produced. ``before``/``after`` are the bridge's ``EvalResult`` (``None`` when skipped)."""
+
+    output_dir: str
+    steps: int
+    wall_seconds: float
+    train_seconds: float
+    before: Any = None
+    after: Any = None
+    metrics_path: str = ""
+    summary_path: str = ""
+    png_path: str = ""
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def load_bridge(module: str = BRIDGE_MODULE):
+    """Import the TRL environment bridge (``env_adapters.trl``) by name; a clear ``ImportError`` when it is missing."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(f"agentcredit train needs the TRL environment bridge {module!r} (TurnRollout, "
+                          f"environment_factory, evaluate), which could not be imported: {e}. It ships with the "
+                          f"agentcredit distribution (env_adapters); install it with pip install agentcredit[trl]"
+                          ) from e
+
+
+def _load_credit_bridge():
+    try:
+        return importlib.import_module("credit_plugins.trl")
+    except ImportError as e:
+        raise ImportError(f"agentcredit train needs credit_plugins.trl (make_trainer) and TRL: {e}; "
+                          f"pip install agentcredit[trl]") from e
+
+
+def train_seeds(recipe: Recipe, max_steps: int, seed: int) -> list[int]:
+    """``max_steps * groups_per_step`` distinct seeds from ``train_seeds``, never an eval seed; deterministic."""
+    ac = recipe.agentcredit
+    check_seed_budget(ac, max_steps)
+    lo, hi = ac.train_seeds
+    e_lo, e_hi = ac.eval.seeds if ac.eval is not None else (0, 0)
+    need = max_steps * ac.groups_per_step
+    rng = random.Random(seed)
+    if hi - lo <= 1_000_000:
+        pool = [s for s in range(lo, hi) if not e_lo <= s < e_hi]
+        return rng.sample(pool, need)
+    out: list[int] = []
+    seen: set[int] = set()
+    while len(out) < need:  # a huge range: rejection sampling (the budget check guarantees termination)
+        s = rng.randrange(lo, hi)
+        if s not in seen and not e_lo <= s < e_hi:
+            seen.add(s)
+            out.append(s)
+    return out
+
+
+def _as_dict(result: Any) -> dict[str, Any] | None:
+    if result is None:
+        return None
+    if dataclasses.is_dataclass(result):
+        d = {f.name: getattr(result, f.name) for f in dataclasses.fields(result) if f.name != "episodes"}
+    elif isinstance(result, dict):
+        d = dict(result)
+    else:
+        d = {k: v for k, v in vars(result).items() if not k.startswith("_")}
+    d.pop("episodes", None)  # the bridge's per-episode records: too big for a summary
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
+
+
+def _ci(result: Any) -> tuple[float, float]:
+    ci = getattr(result, "success_ci", None)
+    if isinstance(ci, (list, tuple)) and len(ci) == 2:
+        return float(ci[0]), float(ci[1])
+    rate = float(getattr(result, "success_rate", 0.0))
+    return rate, rate
+
+
+def format_eval_table(before: Any, after: Any, header: str = "") -> str:
+    """The before/after table of held-out success (95 % interval), valid-action rate, return and turns."""
+    lines = [header] if header else []
+    lines.append(f"{'':<8}{'episodes':>9}{'success':>10}{'95% interval':>20}{'valid':>9}{'return':>9}{'turns':>7}")
+    for label, r in (("before", before), ("after", after)):
+        if r is None:
+            continue
+        lo, hi = _ci(r)
+        interval = f"[{lo:6.1%}, {hi:6.1%}]"
+        lines.append(f"{label:<8}{getattr(r, 'n_episodes', 0):>9}{getattr(r, 'success_rate', 0.0):>10.1%}"
+                     f"{interval:>20}{getattr(r, 'valid_rate', 0.0):>9.1%}{getattr(r, 'mean_return', 0.0):>9.3f}"
+                     f"{getattr(r, 'mean_turns', 0.0):>7.2f}")
+    return "\n".join(lines)
+
+
+def _load_model(recipe: Recipe):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    margs = recipe.model_args
+    path = models.resolve_model(margs["model_name_or_path"])
+    revision = margs.get("model_revision") or None
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    dtype = margs.get("dtype")
+    dtype = torch.float32 if dtype in (None, "auto") else (getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if revision:
+        kwargs["revision"] = revision
+    if margs.get("attn_implementation"):
+        kwargs["attn_implementation"] = margs["attn_implementation"]
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    _fix_chatml_eos(tokenizer, model)
+    return path, tokenizer, model
+
+
+def _fix_chatml_eos(tokenizer, model) -> None:
+    """A ChatML tokenizer whose EOS is ``<|im_start|>`` (the SmolLM2 GGUF export does this) ends turns with
+    ``<|im_end|>``: make that the EOS of the tokenizer and the model, so generation and TRL's EOS masking stop there."""
+    vocab = tokenizer.get_vocab()
+    if tokenizer.eos_token != "<|im_start|>" or "<|im_end|>" not in vocab:
+        return
+    tokenizer.eos_token = "<|im_end|>"
+    eos = vocab["<|im_end|>"]
+    model.config.eos_token_id = eos
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.eos_token_id = eos
+    print("agentcredit train: the tokenizer's EOS was <|im_start|>; using <|im_end|> (ChatML end of turn)", flush=True)
+
+
+def _freeze(model, n_layers: int) -> None:
+    """:func:`models.freeze_lower_layers`, also for models whose ``base_model`` holds ``layers`` directly (the
+    ``*ForCausalLM`` classes of transformers 5, whose ``base_model`` is the inner ``*Model``)."""
+    try:
+        models.freeze_lower_layers(model, n_layers)
+        return
+    except ValueError as e:
+        if "cannot find the decoder layers" not in str(e):
+            raise
+        layers = getattr(getattr(model, "base_model", model), "layers", None)
+        if layers is None:
+            raise
+    if n_layers > len(layers):
+        raise ValueError(f"freeze_layers={n_layers} but the model has {len(layers)} decoder layers; use at most "
+                         f"{len(layers)}")
+    model.get_input_embeddings().requires_grad_(False)  # a tied LM head shares this parameter
+    for layer in layers[:n_layers]:
+        layer.requires_grad_(False)
+
+
+def _adapt_model(model, recipe: Recipe):
+    ac = recipe.agentcredit
+    if ac.lora is not None and ac.freeze_layers:
+        raise RecipeError("agentcredit.lora and agentcredit.freeze_layers are both set; use one")
+    if ac.lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(**ac.lora_kwargs()))
+    elif ac.freeze_layers:
+        try:
+            _freeze(model, ac.freeze_layers)
+        except ValueError as e:
+            raise RecipeError(f"agentcredit.freeze_layers: {e}") from e
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return model, trainable, total
+
+
+def _evaluate(bridge, model, tokenizer, recipe: Recipe):
+    import torch
+
+    ac, ev = recipe.agentcredit, recipe.agentcredit.eval
+    kwargs = dict(max_turns=ac.max_turns, temperature=ev.temperature, greedy=ev.greedy, prompt=ac.prompt,
+                  max_new_tokens=ac.max_new_tokens, batch_size=ev.batch_size, system=ac.system,
+                  history_length=ac.history_length)
+    accepted = inspect.signature(bridge.evaluate).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return bridge.evaluate(model, tokenizer, ac.env, dict(ac.env_options), ev.seed_list, **kwargs)
+    finally:
+        model.train(was_training)
+
+
+def run(recipe: Recipe, max_steps: int | None = None, eval: bool = True) -> RunResult:  # noqa: A002 - the CLI's word
+    """Train ``recipe`` with TRL's GRPOTrainer and the recipe's credit estimator; see the module docstring.
+
+    ``max_steps`` overrides the recipe's (smoke runs); ``eval=False`` skips the held-out evaluations.
+    """
+    t_start = time.time()
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    import torch
+
+    if not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(os.cpu_count() or 1)
+
+    bridge = load_bridge()
+    credit_trl = _load_credit_bridge()
+    from trl import GRPOTrainer
+
+    from .trl_logging import MetricsCallback, plot_learning_curve
+
+    ac = recipe.agentcredit
+    changes = {}
+    if max_steps is not None:
+        if max_steps < 1:
+            raise RecipeError(f"--max-steps must be a positive integer, got {max_steps}")
+        changes["max_steps"] = int(max_steps)
+    try:
+        config = recipe.grpo_config(**changes)
+    except (ValueError, TypeError) as e:
+        raise RecipeError(grpo_config_error(e)) from e
+    steps = int(config.max_steps)
+    out_dir = Path(config.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    seeds = train_seeds(recipe, steps, int(config.seed))
+    do_before = bool(eval and ac.eval is not None and ac.eval.before)
+    do_after = bool(eval and ac.eval is not None and ac.eval.after)
+
+    # model
+    model_path, tokenizer, model = _load_model(recipe)
+    model, trainable, total = _adapt_model(model, recipe)
+    print(f"agentcredit train: {recipe.path} | model {recipe.model_args['model_name_or_path']} ({model_path}) | "
+          f"{trainable:,} of {total:,} parameters trainable | env {ac.env} {ac.env_options} | bridge {ac.bridge} | "
+          f"credit {ac.credit} {ac.credit_params} | {steps} steps x {ac.groups_per_step} groups x "
+          f"{ac.episodes_per_group} episodes", flush=True)
+
+    # environment bridge
+    if ac.bridge == "rollout_func":
+        rollout = bridge.TurnRollout(env=ac.env, env_options=dict(ac.env_options), max_turns=ac.max_turns,
+                                     max_new_tokens=ac.max_new_tokens, prompt=ac.prompt,
+                                     history_length=ac.history_length, system=ac.system)
+        dataset = rollout.dataset(seeds)
+        bridge_kwargs: dict[str, Any] = {"rollout_func": rollout, "reward_funcs": [rollout.reward_func]}
+    else:
+        env_cls = bridge.environment_factory(ac.env, **ac.env_options)
+        dataset = env_cls.dataset(seeds)
+        reward = getattr(env_cls, "reward_func", None)
+        bridge_kwargs = {"environment_factory": env_cls, "reward_funcs": [reward] if reward is not None else None}
+
+    before = after = None
+    header = ""
+    if ac.eval is not None:
+        lo, hi = ac.eval.seeds
+        mode = "greedy" if ac.eval.greedy else f"T={ac.eval.temperature}"
+        header = f"held-out eval: {hi - lo} episodes (seeds {lo}..{hi - 1}), {mode}, env {ac.env}"
+    if do_before:
+        before = _evaluate(bridge, model, tokenizer, recipe)
+        print(format_eval_table(before, None, header="before training: " + header), flush=True)
+
+    trainer_cls = credit_trl.make_trainer(GRPOTrainer, credit=ac.credit, schedule=ac.schedule, **ac.credit_params)
+    metrics_cb = MetricsCallback(out_dir / "metrics.jsonl")
+    trainer = trainer_cls(model=model, processing_class=tokenizer, args=config, train_dataset=dataset,
+                          callbacks=[metrics_cb], **bridge_kwargs)
+    t_train = time.time()
+    trainer.train()
+    train_seconds = time.time() - t_train
+    trained = trainer.model
+
+    if do_after:
+        after = _evaluate(bridge, trained, tokenizer, recipe)
+
+    wall = time.time() - t_start
+    png = plot_learning_curve(metrics_cb.path, before, after, out_dir / "learning_curve.png",
+                              title=f"{recipe.name}: {ac.credit} on {ac.env} ({steps} steps)")
+    summary = {
+        "recipe": str(recipe.path), "overrides": list(recipe.overrides), "credit": ac.credit,
+        "credit_params": dict(ac.credit_params), "env": ac.env, "env_options": dict(ac.env_options),
+        "bridge": ac.bridge, "model": recipe.model_args["model_name_or_path"],
+        "steps": int(trainer.state.global_step), "max_steps": steps, "wall_seconds": round(wall, 2),
+        "train_seconds": round(train_seconds, 2), "trainable_parameters": trainable,
+        "before": _as_dict(before), "after": _as_dict(after), "train": dict(metrics_cb.summary),
+        "metrics": str(metrics_cb.path), "learning_curve": png,
+    }
+    summary_path = out_dir / "summary.json"
+    summary_path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    if before is not None or after is not None:
+        print(format_eval_table(before, after, header=header), flush=True)
+    print(f"{int(trainer.state.global_step)} steps in {train_seconds:.0f} s training, {wall:.0f} s total; "
+          f"metrics {metrics_cb.path}; summary {summary_path}", flush=True)
+    print(png, flush=True)
+    return RunResult(output_dir=str(out_dir), steps=int(trainer.state.global_step), wall_seconds=wall,
+                     train_seconds=train_seconds, before=before, after=after, metrics_path=str(metrics_cb.path),
+                     summary_path=str(summary_path), png_path=png, summary=summary)

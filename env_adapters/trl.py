@@ -1,0 +1,571 @@
+"""TRL bridges for the text games of :mod:`env_adapters`: a per-turn ``rollout_func``, an evaluator and an
+``environment_factory`` adapter.
+
+* :class:`TurnRollout`: a TRL ``rollout_func`` with **one training row per turn** and a Markovian prompt (the task,
+  the current observation and the legal actions; no dialogue history unless ``history_length`` > 0). Each block of
+  ``G = num_generations`` consecutive prompts is one group: ``E = G // max_turns`` episodes of one seed fill its
+  ``G`` rows (episode 0's turns first, then episode 1's, ...; then padding rows). Every row carries the step-level
+  metadata the credit mixin reads as extra fields (``agentcredit_traj``, ``agentcredit_t``, ``agentcredit_state``,
+  ``agentcredit_action``, ``agentcredit_reward``, ``agentcredit_success``, ``agentcredit_truncated``,
+  ``agentcredit_valid``)::
+
+      rollout = TurnRollout("minigrid", dict(size=6, moves="absolute"), max_turns=6)
+      trainer = GRPOTrainer(model=..., reward_funcs=[rollout.reward_func], rollout_func=rollout,
+                            train_dataset=TurnRollout.dataset(range(64)),
+                            args=GRPOConfig(num_generations=12, per_device_train_batch_size=12, ...))
+
+* :func:`evaluate`: one episode per seed with the same engine (:func:`play_episodes`), success rate with a Wilson
+  95 % interval.
+* :func:`environment_factory`: a class for ``GRPOTrainer(environment_factory=...)`` (TRL's own tool loop, one row
+  per episode): one tool per action of a fixed action set, or ``act(command)`` for free-text games.
+
+The assistant turn is pre-filled with ``<action>`` (part of the prompt, never trained on): small instruct models do
+not write the tag on their own. Decoding runs in fp32 with autocast off (bf16 decode is ~3x slower on CPU).
+``import env_adapters`` does not import this module.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from credit_plugins.hashing import stable_hash
+
+from .prompting import build_prompt, parse_action
+
+__all__ = ["TurnRollout", "play_episodes", "evaluate", "EvalResult", "Episode", "TurnRecord",
+           "environment_factory", "compact_prompt", "wilson_interval", "ACTION_PREFIX", "EPISODE_PROMPT"]
+
+#: the forced start of every assistant turn (an env token: part of the prompt ids)
+ACTION_PREFIX = "<action>"
+_STOP = "</action>"
+#: dataset prompts of :meth:`TurnRollout.dataset`
+EPISODE_PROMPT = "agentcredit-episode seed={seed}"
+_EPISODE_RE = re.compile(r"^agentcredit-episode seed=(-?\d+|None)$")
+_FACTORY_PROMPT = "Play the game. Call one tool per turn."
+
+
+# ---- prompts --------------------------------------------------------------------------------------------------------
+def _legal(env) -> list[str] | None:
+    fn = getattr(env, "legal_actions", None)
+    return list(fn()) if callable(fn) else None
+
+
+def compact_prompt(task: str, observation: str, legal: Sequence[str] | None) -> str:
+    """The short user message of one turn: task, observation, legal actions and the answer format."""
+    lines = [task.strip()] if task else []
+    lines.append(observation)
+    if legal:
+        lines.append("Actions: " + ", ".join(legal))
+    lines.append("Answer with <action>one action</action>.")
+    return "\n".join(lines)
+
+
+def _chat_text(tokenizer, user: str, system: str | None) -> str:
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + \
+        [{"role": "user", "content": user}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) + ACTION_PREFIX
+
+
+# ---- the engine -----------------------------------------------------------------------------------------------------
+@dataclass
+class TurnRecord:
+    """One decision: its token ids, the parsed action and the StepTable fields of its row."""
+
+    t: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    response: str             # "<action>" + the decoded completion
+    action_text: str | None
+    action_key: str | None
+    state: int                # stable_hash(env.state_key()) before the action
+    action: int               # stable_hash(action_key), -1 when invalid
+    reward: float
+    valid: bool
+
+
+@dataclass
+class Episode:
+    seed: int | None
+    turns: list[TurnRecord] = field(default_factory=list)
+    success: bool = False
+    truncated: bool = False
+
+    @property
+    def total_reward(self) -> float:
+        return float(sum(t.reward for t in self.turns))
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids: list[int] = []
+    cand = [tokenizer.eos_token_id]
+    gen = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    cand += list(gen) if isinstance(gen, (list, tuple)) else [gen]
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
+    cand.append(im_end)
+    for i in cand:
+        if i is not None and int(i) not in ids:
+            ids.append(int(i))
+    return ids
+
+
+def _cut(tokenizer, ids: list[int], eos: set[int], pad: int | None) -> tuple[list[int], str]:
+    """The generated ids up to and including the first EOS or the token completing ``</action>`` (whichever comes
+    first), without the pad tokens ``generate`` appends to finished rows; and their text."""
+    end = next((k + 1 for k, tok in enumerate(ids) if tok in eos), len(ids))
+    head = ids[:end]
+    if _STOP in tokenizer.decode(head, skip_special_tokens=True):
+        end = next(k for k in range(1, len(head) + 1)
+                   if _STOP in tokenizer.decode(head[:k], skip_special_tokens=True))
+    elif end == len(ids) and pad is not None:
+        while end > 1 and ids[end - 1] == pad:
+            end -= 1
+    ids = ids[:end]
+    return ids, tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _generate(model, tokenizer, prompts: list[list[int]], gen_config, eos: set[int], pad: int,
+              batch_size: int) -> list[tuple[list[int], str]]:
+    """Sample one completion per prompt (left-padded batches of similar length); returns (ids, text) per prompt."""
+    out: list[tuple[list[int], str] | None] = [None] * len(prompts)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    device = next(model.parameters()).device
+    for start in range(0, len(order), batch_size):
+        idx = order[start:start + batch_size]
+        width = max(len(prompts[i]) for i in idx)
+        input_ids = torch.full((len(idx), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for r, i in enumerate(idx):
+            p = prompts[i]
+            input_ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[r, width - len(p):] = 1
+        seqs = model.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device),
+                              generation_config=gen_config, tokenizer=tokenizer)
+        for r, i in enumerate(idx):
+            out[i] = _cut(tokenizer, seqs[r, width:].tolist(), eos, pad)
+    return out  # type: ignore[return-value]
+
+
+def play_episodes(model, tokenizer, specs: Sequence[tuple[Any, int | None]], *, max_turns: int = 6,
+                  max_new_tokens: int = 8, temperature: float = 0.7, top_p: float = 1.0, top_k: int = 0,
+                  min_p: float | None = None, greedy: bool = False, prompt: str = "compact",
+                  history_length: int = 0, system: str | None = None, batch_size: int = 64) -> list[Episode]:
+    """Play one episode per ``(env, seed)`` in ``specs`` (distinct env instances), all of them batched turn by turn.
+
+    Each turn the prompts of all running episodes are generated together (``model.generate``, left padding, stop at
+    ``</action>`` or EOS), in fp32 with autocast off and the model in eval mode (its mode is restored afterwards).
+    An episode ends when the env says ``done`` or after ``max_turns`` steps (then it is ``truncated``).
+    """
+    if prompt not in ("compact", "verl-agent"):
+        raise ValueError(f"prompt={prompt!r}; choose 'compact' or 'verl-agent'")
+    if max_turns < 1 or max_new_tokens < 1 or batch_size < 1:
+        raise ValueError("max_turns, max_new_tokens and batch_size must be >= 1")
+    if len({id(env) for env, _ in specs}) != len(specs):
+        raise ValueError("play_episodes needs one env instance per episode (they are played side by side)")
+    from transformers import GenerationConfig
+
+    eos = _eos_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    kw: dict[str, Any] = dict(max_new_tokens=int(max_new_tokens), pad_token_id=pad, eos_token_id=eos,
+                              stop_strings=[_STOP], use_cache=True)
+    if greedy:
+        kw.update(do_sample=False)
+    else:
+        kw.update(do_sample=True, temperature=float(temperature), top_p=float(top_p), top_k=int(top_k or 0))
+        if min_p:
+            kw["min_p"] = float(min_p)
+    gen_config = GenerationConfig(**kw)
+
+    episodes = [Episode(seed=seed) for _, seed in specs]
+    obs = [env.reset(seed) for env, seed in specs]
+    history: list[list[tuple[str, str | None]]] = [[] for _ in specs]
+    live = list(range(len(specs)))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            for t in range(max_turns):
+                if not live:
+                    break
+                texts = []
+                for i in live:
+                    env = specs[i][0]
+                    task, legal = getattr(env, "task", ""), _legal(env)
+                    user = (compact_prompt(task, obs[i], legal) if prompt == "compact"
+                            else build_prompt(task, history[i], obs[i], legal, history_length))
+                    texts.append(_chat_text(tokenizer, user, system))
+                prompt_ids = [tokenizer(x, add_special_tokens=False)["input_ids"] for x in texts]
+                outs = _generate(model, tokenizer, prompt_ids, gen_config, set(eos), pad, batch_size)
+                still = []
+                for i, p_ids, (c_ids, text) in zip(live, prompt_ids, outs):
+                    env = specs[i][0]
+                    state = stable_hash(env.state_key())
+                    response = ACTION_PREFIX + text
+                    action_text = parse_action(response)
+                    key = env.action_key(action_text) if action_text is not None else None
+                    res = env.step(action_text)
+                    episodes[i].turns.append(TurnRecord(
+                        t=t, prompt_ids=list(p_ids), completion_ids=list(c_ids), response=response,
+                        action_text=action_text, action_key=key, state=state,
+                        action=-1 if key is None else stable_hash(key), reward=float(res.reward),
+                        valid=key is not None))
+                    history[i].append((obs[i], key))
+                    obs[i] = res.observation
+                    if res.done:
+                        episodes[i].success = bool(res.success)
+                    else:
+                        still.append(i)
+                live = still
+    finally:
+        model.train(was_training)
+    for i in live:
+        episodes[i].truncated = True
+    return episodes
+
+
+def _stats(episodes: Sequence[Episode]) -> dict[str, float]:
+    n = len(episodes)
+    turns = [len(e.turns) for e in episodes]
+    steps = sum(turns)
+    return {
+        "episodes": n,
+        "success_rate": sum(e.success for e in episodes) / n if n else 0.0,
+        "valid_rate": sum(t.valid for e in episodes for t in e.turns) / steps if steps else 0.0,
+        "mean_return": sum(e.total_reward for e in episodes) / n if n else 0.0,
+        "mean_turns": steps / n if n else 0.0,
+    }
+
+
+# ---- TRL rollout_func -----------------------------------------------------------------------------------------------
+class TurnRollout:
+    """A TRL ``rollout_func``: one training row per turn, Markovian prompts, step metadata as extra fields.
+
+    Args:
+        env: registered environment name (:func:`env_adapters.make`).
+        env_options: its keyword options.
+        max_turns: step limit of an episode; ``num_generations`` must be a multiple of it.
+        max_new_tokens: tokens generated per turn (after the forced ``<action>``); also capped by
+            ``trainer.args.max_completion_length``.
+        prompt: ``"compact"`` (task + observation + actions + answer format) or ``"verl-agent"``
+            (:func:`env_adapters.build_prompt` with ``history_length`` past steps).
+        history_length: past steps shown by the ``"verl-agent"`` prompt.
+        system: a system message (None: the chat template's default).
+        batch_size: most prompts in one ``generate`` call.
+
+    Layout of one call (``G = trainer.num_generations``, ``E = G // max_turns``): block ``b`` of ``G`` consecutive
+    prompts (one seed) holds ``E`` episodes of that seed, ``agentcredit_traj = b * E + e``, their turn rows first and
+    padding rows (``agentcredit_traj = -1``, ``env_mask = [0]``) in the unused slots.
+    """
+
+    FIELDS = ("agentcredit_traj", "agentcredit_t", "agentcredit_state", "agentcredit_action", "agentcredit_reward",
+              "agentcredit_success", "agentcredit_truncated", "agentcredit_valid")
+
+    def __init__(self, env: str, env_options: dict | None = None, max_turns: int = 6, max_new_tokens: int = 8,
+                 prompt: str = "compact", history_length: int = 0, system: str | None = None,
+                 batch_size: int = 64):
+        if prompt not in ("compact", "verl-agent"):
+            raise ValueError(f"prompt={prompt!r}; choose 'compact' or 'verl-agent'")
+        if max_turns < 1 or max_new_tokens < 1:
+            raise ValueError("max_turns and max_new_tokens must be >= 1")
+        import env_adapters
+
+        self.env_name, self.env_options = env, dict(env_options or {})
+        self.max_turns, self.max_new_tokens = int(max_turns), int(max_new_tokens)
+        self.prompt, self.history_length, self.system = prompt, int(history_length), system
+        self.batch_size = int(batch_size)
+        self._make = lambda: env_adapters.make(self.env_name, **self.env_options)
+        self._pool = [self._make()]  # built now: a bad env name or option fails at construction
+        self._metrics: dict[str, float] = {}
+        self.last_episodes: list[Episode] = []
+        self.__name__ = "TurnRollout"
+
+    @staticmethod
+    def dataset(seeds: Iterable[int]):
+        """A ``datasets.Dataset`` whose ``prompt`` column names one episode seed per row."""
+        from datasets import Dataset
+
+        return Dataset.from_dict({"prompt": [EPISODE_PROMPT.format(seed=int(s)) for s in seeds]})
+
+    @staticmethod
+    def _seed(prompt) -> int | None:
+        m = _EPISODE_RE.match(prompt.strip()) if isinstance(prompt, str) else None
+        if m is None:
+            raise ValueError(f"TurnRollout got the prompt {prompt!r}; build the train dataset with "
+                             f"TurnRollout.dataset(seeds) (prompts 'agentcredit-episode seed=<int>')")
+        return None if m.group(1) == "None" else int(m.group(1))
+
+    def _envs(self, n: int) -> list:
+        while len(self._pool) < n:
+            self._pool.append(self._make())
+        return self._pool[:n]
+
+    def __call__(self, prompts: list[str], trainer) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        G = getattr(trainer, "num_generations", None)
+        if not model.training and getattr(trainer, "num_generations_eval", None):
+            G = trainer.num_generations_eval
+        G = int(G or 0)
+        if G < 1 or G % self.max_turns or len(prompts) % G:
+            raise ValueError(
+                f"TurnRollout needs num_generations (got {G}) to be a multiple of agentcredit.max_turns "
+                f"(max_turns={self.max_turns}) and the prompts of one call ({len(prompts)}, a multiple of "
+                f"per_device_train_batch_size) to be whole groups of num_generations")
+        E = G // self.max_turns
+        blocks = len(prompts) // G
+        seeds = []
+        for b in range(blocks):
+            block = [self._seed(p) for p in prompts[b * G:(b + 1) * G]]
+            if len(set(block)) != 1:
+                raise ValueError(f"a block of num_generations={G} consecutive prompts must repeat one seed; got "
+                                 f"{sorted(set(block), key=str)}")
+            seeds.append(block[0])
+        envs = self._envs(blocks * E)
+        specs = [(envs[b * E + e], seeds[b]) for b in range(blocks) for e in range(E)]
+        tok = trainer.processing_class
+        args = trainer.args
+        max_new = self.max_new_tokens
+        if getattr(args, "max_completion_length", None):
+            max_new = min(max_new, int(args.max_completion_length))
+        episodes = play_episodes(
+            model, tok, specs, max_turns=self.max_turns, max_new_tokens=max_new,
+            temperature=float(getattr(args, "temperature", 1.0) or 1.0), top_p=float(getattr(args, "top_p", 1.0)),
+            top_k=int(getattr(args, "top_k", 0) or 0), min_p=getattr(args, "min_p", None), prompt=self.prompt,
+            history_length=self.history_length, system=self.system, batch_size=self.batch_size)
+        eos = tok.eos_token_id
+        out: dict[str, Any] = {"prompt_ids": [], "completion_ids": [], "logprobs": None, "env_mask": []}
+        out.update({k: [] for k in self.FIELDS})
+
+        def row(p, c, m, traj, t, state, action, reward, success, truncated, valid):
+            out["prompt_ids"].append(p)
+            out["completion_ids"].append(c)
+            out["env_mask"].append(m)
+            for k, v in zip(self.FIELDS, (traj, t, state, action, reward, success, truncated, valid)):
+                out[k].append(v)
+
+        for b in range(blocks):
+            n = 0
+            for e in range(E):
+                ep = episodes[b * E + e]
+                for tr in ep.turns:
+                    row(tr.prompt_ids, tr.completion_ids, [1] * len(tr.completion_ids), b * E + e, tr.t,
+                        int(tr.state), int(tr.action), float(tr.reward), bool(ep.success), bool(ep.truncated),
+                        bool(tr.valid))
+                    n += 1
+            for _ in range(G - n):
+                row([eos], [eos], [0], -1, 0, 0, -1, 0.0, False, False, False)
+        self.last_episodes = episodes
+        self._metrics = {**_stats(episodes), "rollout_seconds": time.perf_counter() - t0}
+        return out
+
+    def env_reward(self, prompts=None, completions=None, completion_ids=None, agentcredit_reward=None,
+                   **kwargs) -> list[float]:
+        """TRL reward function: each row's step reward r_t (the ``agentcredit_reward`` extra field)."""
+        if agentcredit_reward is None:
+            raise ValueError("env_reward needs the agentcredit_reward column: use it with rollout_func=TurnRollout")
+        return [float(r) for r in agentcredit_reward]
+
+    #: ``reward_funcs=[rollout.reward_func]``; its ``__name__`` is ``"env_reward"``
+    reward_func = env_reward
+
+    def metrics(self) -> dict[str, float]:
+        """Stats of the last call: episodes, success_rate, valid_rate, mean_return, mean_turns, rollout_seconds."""
+        return dict(self._metrics)
+
+
+# ---- evaluation -----------------------------------------------------------------------------------------------------
+def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson score interval of a binomial rate (fractions in [0, 1])."""
+    if n <= 0:
+        return (0.0, 1.0)
+    p = successes / n
+    denom = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return (max(0.0, center - half), min(1.0, center + half))
+
+
+@dataclass
+class EvalResult:
+    n_episodes: int
+    success_rate: float
+    success_ci: tuple[float, float]
+    valid_rate: float
+    mean_return: float
+    mean_turns: float
+    seconds: float
+    episodes: list[Episode] = field(default_factory=list, repr=False)
+
+    def format(self) -> str:
+        lo, hi = self.success_ci
+        return (f"success {100 * self.success_rate:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}] ({self.n_episodes} "
+                f"episodes), valid actions {100 * self.valid_rate:.1f}%")
+
+
+def evaluate(model, tokenizer, env: str, env_options: dict | None, seeds: Iterable[int], max_turns: int = 6,
+             temperature: float = 0.7, greedy: bool = False, prompt: str = "compact", max_new_tokens: int = 8,
+             batch_size: int = 64, system: str | None = None, history_length: int = 0) -> EvalResult:
+    """Play one episode per seed (sampled at ``temperature``, or greedy) and summarise it."""
+    import env_adapters
+
+    t0 = time.perf_counter()
+    seeds = [int(s) for s in seeds]
+    specs = [(env_adapters.make(env, **dict(env_options or {})), s) for s in seeds]
+    episodes = play_episodes(model, tokenizer, specs, max_turns=max_turns, max_new_tokens=max_new_tokens,
+                             temperature=temperature, greedy=greedy, prompt=prompt, batch_size=batch_size,
+                             system=system, history_length=history_length)
+    s = _stats(episodes)
+    wins = sum(e.success for e in episodes)
+    return EvalResult(n_episodes=len(episodes), success_rate=s["success_rate"],
+                      success_ci=wilson_interval(wins, len(episodes)), valid_rate=s["valid_rate"],
+                      mean_return=s["mean_return"], mean_turns=s["mean_turns"], seconds=time.perf_counter() - t0,
+                      episodes=episodes)
+
+
+# ---- TRL environment_factory ----------------------------------------------------------------------------------------
+_TOOL_DOCS = {
+    "up": "Move one cell up (row - 1).",
+    "down": "Move one cell down (row + 1).",
+    "left": "Move one cell left (column - 1).",
+    "right": "Move one cell right (column + 1).",
+    "turn left": "Turn 90 degrees to the left without moving.",
+    "turn right": "Turn 90 degrees to the right without moving.",
+    "move forward": "Move one cell in the direction you face.",
+    "pick up": "Pick up the object in front of you.",
+    "open door": "Open (toggle) the door in front of you.",
+}
+_RESERVED = {"reset", "get_reward", "dataset", "act"}
+
+
+def _tool_name(action: str) -> str:
+    name = re.sub(r"\W", "_", action.strip().lower().replace(" ", "_"))
+    if not name or name[0].isdigit():
+        name = "a_" + name
+    return name
+
+
+def environment_factory(env: str, **env_options) -> type:
+    """A class for ``GRPOTrainer(environment_factory=cls)`` that plays ``env_adapters.make(env, **env_options)``.
+
+    Tools: one method per action when the env has a fixed action set (a ``legal`` tuple, e.g. minigrid and
+    sokoban: ``up``, ``move_forward``, ...; no arguments), else ``act(command: str)``. ``reset(**row)`` uses the
+    row's ``seed`` and returns the task, the first observation and the actions (TRL appends it to the user message).
+
+    Records (read by the credit mixin), on each instance: ``agentcredit_turns`` (one dict per tool call executed on
+    the env: ``state`` = stable hash of ``state_key()`` before, ``action`` = stable hash of the action key or -1,
+    ``reward``, ``valid``; a call after the episode ended is answered "episode is over" and not recorded),
+    ``agentcredit_final_state``, ``agentcredit_success``, ``agentcredit_done``. ``get_reward()`` is the episode return.
+    """
+    import env_adapters
+
+    probe = env_adapters.make(env, **env_options)
+    legal = getattr(probe, "legal", None)
+    fixed = (isinstance(legal, (tuple, list)) and len(legal) > 0 and all(isinstance(a, str) for a in legal))
+    cls_name = "".join(p.capitalize() for p in re.split(r"\W+", env) if p) + "ToolEnv"
+
+    def __init__(self):
+        self._env = env_adapters.make(env, **env_options)
+        self.agentcredit_turns = []
+        self.agentcredit_final_state = 0
+        self.agentcredit_success = False
+        self.agentcredit_done = True
+        self._return = 0.0
+
+    def _describe(self, observation: str, first: bool = False) -> str:
+        parts = [getattr(self._env, "task", "").strip()] if first else []
+        parts.append(observation)
+        acts = _legal(self._env)
+        if acts:
+            parts.append(("Tools: " + ", ".join(_tool_name(a) for a in acts)) if fixed
+                         else ("Admissible commands: " + ", ".join(acts)))
+        return "\n".join(p for p in parts if p)
+
+    def reset(self, **row) -> str:
+        seed = row.get("seed")
+        obs = self._env.reset(None if seed is None else int(seed))
+        self.agentcredit_turns = []
+        self.agentcredit_final_state = stable_hash(self._env.state_key())
+        self.agentcredit_success = False
+        self.agentcredit_done = False
+        self._return = 0.0
+        return "\n\n" + self._describe(obs, first=True)
+
+    def _act(self, action: str | None) -> str:
+        if self.agentcredit_done:
+            return "The episode is over. Reward 0."
+        state = stable_hash(self._env.state_key())
+        key = self._env.action_key(action)
+        res = self._env.step(action)
+        self.agentcredit_turns.append({"state": int(state), "action": -1 if key is None else int(stable_hash(key)),
+                                       "reward": float(res.reward), "valid": key is not None})
+        self._return += float(res.reward)
+        self.agentcredit_final_state = stable_hash(self._env.state_key())
+        self.agentcredit_done = bool(res.done)
+        self.agentcredit_success = bool(res.success)
+        if key is None:
+            return "Invalid action.\n" + self._describe(res.observation)
+        if res.done:
+            return res.observation + ("\nYou solved the task. The episode is over." if res.success
+                                      else "\nThe episode is over.")
+        return self._describe(res.observation)
+
+    def get_reward(self, **kwargs) -> float:
+        return float(self._return)
+
+    @classmethod
+    def dataset(cls, seeds: Iterable[int]):
+        from datasets import Dataset
+
+        seeds = [int(s) for s in seeds]
+        return Dataset.from_dict({"prompt": [[{"role": "user", "content": _FACTORY_PROMPT}] for _ in seeds],
+                                  "seed": seeds})
+
+    attrs: dict[str, Any] = {"__init__": __init__, "reset": reset, "get_reward": get_reward, "_act": _act,
+                             "_describe": _describe, "dataset": dataset, "env_name": env,
+                             "env_options": dict(env_options), "fixed_actions": tuple(legal) if fixed else None,
+                             "__doc__": f"TRL environment for {env!r} ({env_options}); built by "
+                                        f"env_adapters.trl.environment_factory."}
+    if fixed:
+        for action in legal:
+            name = _tool_name(action)
+            if name in _RESERVED or name in attrs:
+                raise ValueError(f"action {action!r} of env {env!r} gives the tool name {name!r}, which is taken")
+
+            fn = _bind_action(action)  # f(self) -> str: TRL builds the schema from the signature
+            fn.__name__ = name
+            fn.__qualname__ = f"{cls_name}.{name}"
+            fn.__doc__ = (f"{_TOOL_DOCS.get(action, f'Take the action {action!r} in the game.')}\n\n"
+                          f"Returns:\n    The observation after the action.\n")
+            attrs[name] = fn
+    else:
+        def act(self, command: str) -> str:
+            """Send one text command to the game.
+
+            Args:
+                command: one of the admissible commands listed in the observation.
+
+            Returns:
+                The game's response.
+            """
+            return self._act(command)
+
+        act.__qualname__ = f"{cls_name}.act"
+        attrs["act"] = act
+    for name in ("__init__", "reset", "get_reward", "_act", "_describe"):
+        attrs[name].__qualname__ = f"{cls_name}.{name}"
+    cls = type(cls_name, (), attrs)
+    cls.__module__ = __name__
+    return cls
+
+
+def _bind_action(action: str):
+    """A fresh function ``f(self) -> str`` that calls ``self._act(action)`` (no extra parameters in its signature)."""
+    def f(self) -> str:
+        return self._act(action)
+    return f

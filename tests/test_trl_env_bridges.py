@@ -1,0 +1,319 @@
+"""The TRL bridges of ``env_adapters.trl`` on real parts: the real minigrid game, the real tiny Qwen2 of
+``credit_plugins.models`` and real ``trl.GRPOTrainer`` runs (rollout_func and environment_factory)."""
+
+import inspect
+import math
+import os
+import re
+import subprocess
+import sys
+import types
+
+import pytest
+
+pytest.importorskip("minigrid")
+trl = pytest.importorskip("trl")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import env_adapters  # noqa: E402
+from credit_plugins.hashing import stable_hash  # noqa: E402
+from env_adapters.trl import (ACTION_PREFIX, EvalResult, TurnRollout, _chat_text, compact_prompt,  # noqa: E402
+                              environment_factory, evaluate, wilson_interval)
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+ABS = dict(size=5, moves="absolute")
+
+
+# ---- minigrid absolute moves --------------------------------------------------------------------------------------
+def _pos(obs):
+    m = re.search(r"You are at row (\d+), column (\d+)\. The goal G is at row (\d+), column (\d+)\.", obs)
+    assert m, obs
+    return tuple(int(v) for v in m.groups())
+
+
+def test_minigrid_absolute_moves_walls_and_goal():
+    env = env_adapters.make("minigrid", **ABS)
+    assert env.legal_actions() == ["up", "down", "left", "right"]
+    for seed in range(20):
+        obs = env.reset(seed)
+        grid = obs.splitlines()[:5]
+        assert sum(r.count("A") for r in grid) == 1 and not any(c in "".join(grid) for c in "><^v")
+        ar, ac, gr, gc = _pos(obs)
+        assert grid[ar][ac] == "A" and grid[gr][gc] == "G"
+        # walk to the top row (never through the goal), then bump into the top wall
+        while ar > 1 and not (ac == gc and ar - 1 == gr):
+            res = env.step("up")
+            assert res.info["valid"] and res.reward == 0.0 and not res.done
+            ar -= 1
+            assert _pos(res.observation)[:2] == (ar, ac)
+        if ar == 1:
+            before = env.state_key()
+            res = env.step("up")
+            assert res.info == {"valid": True, "action_key": "up"} and res.reward == 0.0 and not res.done
+            assert env.state_key() == before  # a move into a wall leaves the state unchanged
+        # then walk to the goal: rows first, then columns (no interior walls)
+        plan = (["down"] * max(0, gr - ar) + ["up"] * max(0, ar - gr) + ["right"] * max(0, gc - ac)
+                + ["left"] * max(0, ac - gc))
+        for i, a in enumerate(plan):
+            res = env.step(a)
+            last = i == len(plan) - 1
+            assert res.done == last and res.success == last
+            assert res.reward == (10.0 if last else 0.0)
+        assert env.solved
+
+
+def test_minigrid_absolute_aliases_invalid_text_shaping_and_option_errors():
+    env = env_adapters.make("minigrid", **ABS)
+    assert [env.action_key(a) for a in ("UP", " north ", "move left", "turn left", "move forward", None)] == \
+        ["up", "up", "left", None, None, None]
+    env.reset(3)
+    before = env.state_key()
+    res = env.step("jump")
+    assert not res.info["valid"] and res.reward == env.invalid_penalty and env.state_key() == before
+    shaped = env_adapters.make("minigrid", shaping=1.0, **ABS)
+    ar, ac, gr, gc = _pos(shaped.reset(3))
+    toward = "down" if gr > ar else "up" if gr < ar else ("right" if gc > ac else "left")
+    assert shaped.step(toward).reward >= 1.0
+    with pytest.raises(ValueError, match="moves"):
+        env_adapters.make("minigrid", task="doorkey", moves="absolute")
+    with pytest.raises(ValueError, match="moves"):
+        env_adapters.make("minigrid", moves="diagonal")
+
+
+def test_minigrid_relative_mode_is_unchanged():
+    for env in (env_adapters.make("minigrid", size=5), env_adapters.make("minigrid", size=5, moves="relative")):
+        assert env.reset(0) == ("#####\n#.G.#\n#...#\n#.^.#\n#####\n"
+                                "You are at row 3, column 2, facing north; you carry nothing.")
+        assert env.legal_actions() == ["turn left", "turn right", "move forward"]
+        assert env.task.endswith("'move forward' moves one cell in the direction you face; turning does not move.")
+        assert env.step("move forward").observation.splitlines()[2] == "#.^.#"
+
+
+def test_import_env_adapters_does_not_import_the_trl_bridge():
+    code = "import sys, env_adapters; assert 'env_adapters.trl' not in sys.modules and 'trl' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+# ---- the tiny model, warm-started to answer actions ---------------------------------------------------------------
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model is overhead-bound: one torch thread is many times faster than two on a shared 2-core box."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The real tiny Qwen2, with 40 SFT steps on compact prompts so it answers ``up</action>`` etc. (a random
+    100k-parameter model never writes a parseable action, which would leave the state replay untested)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from credit_plugins.models import resolve_model
+
+    torch.manual_seed(0)
+    path = resolve_model("tiny-qwen2")
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    env = env_adapters.make("minigrid", **ABS)
+    rows = []
+    for seed in range(8):
+        obs = env.reset(seed)
+        prompt = tok(_chat_text(tok, compact_prompt(env.task, obs, env.legal_actions()), None),
+                     add_special_tokens=False)["input_ids"]
+        for a in ("up", "down", "left", "right"):
+            rows.append((prompt, tok(f"{a}</action>", add_special_tokens=False)["input_ids"]))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.train()
+    for step in range(40):
+        batch = [rows[(step * 8 + i) % len(rows)] for i in range(8)]
+        width = max(len(p) + len(c) for p, c in batch)
+        ids = torch.full((len(batch), width), tok.pad_token_id)
+        labels = torch.full((len(batch), width), -100)
+        for r, (p, c) in enumerate(batch):
+            seq = p + c
+            ids[r, :len(seq)] = torch.tensor(seq)
+            labels[r, len(p):len(seq)] = torch.tensor(c)
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    return model, tok, path
+
+
+def _trainer(model, tok, G, temperature=1.0):
+    """A minimal stand-in for the GRPOTrainer attributes a rollout_func reads (layout unit test only)."""
+    return types.SimpleNamespace(model=model, processing_class=tok, num_generations=G,
+                                 args=types.SimpleNamespace(temperature=temperature, top_p=1.0, top_k=0,
+                                                            max_completion_length=8),
+                                 accelerator=types.SimpleNamespace(unwrap_model=lambda m: m))
+
+
+def test_turn_rollout_row_layout_and_state_replay(tiny):
+    model, tok, _ = tiny
+    G, turns = 12, 6
+    rollout = TurnRollout("minigrid", ABS, max_turns=turns, max_new_tokens=6)
+    seeds = [5, 9]
+    prompts = [p for s in seeds for p in list(TurnRollout.dataset([s] * G)["prompt"])]
+    model.train()
+    out = rollout(prompts, _trainer(model, tok, G))
+    assert model.training  # the mode is restored after generation
+    n = len(prompts)
+    for k in ("prompt_ids", "completion_ids", "env_mask", *TurnRollout.FIELDS):
+        assert len(out[k]) == n, k
+    assert out["logprobs"] is None
+    assert set(out) == {"prompt_ids", "completion_ids", "logprobs", "env_mask", *TurnRollout.FIELDS}
+    E = G // turns
+    replay = env_adapters.make("minigrid", **ABS)
+    valid_seen = 0
+    for b, seed in enumerate(seeds):
+        block = range(b * G, (b + 1) * G)
+        trajs = [out["agentcredit_traj"][i] for i in block]
+        real = [i for i in block if out["agentcredit_traj"][i] >= 0]
+        assert real == list(range(b * G, b * G + len(real)))  # real rows first, padding after
+        assert sorted(set(trajs) - {-1}) == [b * E + e for e in range(E)]
+        for i in block:
+            assert len(out["env_mask"][i]) == len(out["completion_ids"][i]) >= 1
+            if out["agentcredit_traj"][i] < 0:
+                assert out["env_mask"][i] == [0] and out["completion_ids"][i] == [tok.eos_token_id]
+                assert (out["agentcredit_t"][i], out["agentcredit_state"][i], out["agentcredit_action"][i],
+                        out["agentcredit_reward"][i], out["agentcredit_success"][i],
+                        out["agentcredit_valid"][i]) == (0, 0, -1, 0.0, False, False)
+            else:
+                assert set(out["env_mask"][i]) == {1}
+        for e in range(E):
+            rows = [i for i in block if out["agentcredit_traj"][i] == b * E + e]
+            assert [out["agentcredit_t"][i] for i in rows] == list(range(len(rows)))
+            assert 1 <= len(rows) <= turns
+            success = {out["agentcredit_success"][i] for i in rows}
+            assert len(success) == 1
+            truncated = out["agentcredit_truncated"][rows[0]]
+            assert truncated == (len(rows) == turns and not success.pop())
+            # replay the decoded actions on a real env: same state hashes, rewards and action hashes
+            replay.reset(seed)
+            for i in rows:
+                assert out["agentcredit_state"][i] == stable_hash(replay.state_key())
+                text = tok.decode(out["completion_ids"][i], skip_special_tokens=True)
+                action = env_adapters.parse_action(ACTION_PREFIX + text)
+                key = replay.action_key(action)
+                assert out["agentcredit_action"][i] == (-1 if key is None else stable_hash(key))
+                assert out["agentcredit_valid"][i] == (key is not None)
+                valid_seen += key is not None
+                res = replay.step(action)
+                assert math.isclose(out["agentcredit_reward"][i], res.reward)
+            prompt_text = tok.decode(out["prompt_ids"][rows[0]])
+            assert prompt_text.endswith("<|im_start|>assistant\n" + ACTION_PREFIX)
+            assert "Actions: up, down, left, right" in prompt_text
+    assert valid_seen > 0
+    m = rollout.metrics()
+    assert m["episodes"] == len(seeds) * E and 0 <= m["valid_rate"] <= 1 and m["rollout_seconds"] > 0
+    assert rollout.reward_func.__name__ == "env_reward"
+    assert rollout.reward_func(prompts=prompts, completions=[""] * n, completion_ids=out["completion_ids"],
+                               agentcredit_reward=out["agentcredit_reward"]) == out["agentcredit_reward"]
+
+
+def test_turn_rollout_rejects_bad_layouts_and_prompts(tiny):
+    model, tok, _ = tiny
+    rollout = TurnRollout("minigrid", ABS, max_turns=6)
+    good = list(TurnRollout.dataset([1] * 12)["prompt"])
+    with pytest.raises(ValueError, match=r"num_generations.*agentcredit\.max_turns.*per_device_train_batch_size"):
+        rollout(good[:8], _trainer(model, tok, 8))      # G=8 is not a multiple of max_turns=6
+    with pytest.raises(ValueError, match="num_generations"):
+        rollout(good[:6] + good, _trainer(model, tok, 12))  # 18 prompts: not whole groups
+    with pytest.raises(ValueError, match=r"TurnRollout\.dataset"):
+        rollout(["What is 2+2?"] * 12, _trainer(model, tok, 12))
+    with pytest.raises(ValueError, match="prompt"):
+        TurnRollout("minigrid", ABS, prompt="long")
+
+
+def test_turn_rollout_trains_in_a_real_grpo_trainer(tiny, tmp_path):
+    from trl import GRPOConfig, GRPOTrainer
+
+    model, tok, _ = tiny
+    rollout = TurnRollout("minigrid", ABS, max_turns=6, max_new_tokens=6, prompt="verl-agent")
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=2, num_generations=12, per_device_train_batch_size=12,
+                      max_completion_length=8, report_to="none", logging_steps=1, use_cpu=True, bf16=False,
+                      save_strategy="no", temperature=1.0)
+    trainer = GRPOTrainer(model=model, processing_class=tok, reward_funcs=[rollout.reward_func],
+                          rollout_func=rollout, train_dataset=TurnRollout.dataset(range(8)), args=args)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert rollout.metrics()["episodes"] == 2
+
+
+# ---- environment_factory ------------------------------------------------------------------------------------------
+def test_environment_factory_tools_records_and_reward():
+    cls = environment_factory("minigrid", **ABS)
+    tools = [n for n, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
+             if not n.startswith("_") and n not in ("reset", "get_reward")]
+    assert sorted(tools) == ["down", "left", "right", "up"]
+    from transformers.utils import get_json_schema
+
+    env = cls()
+    schema = get_json_schema(env.up)
+    assert schema["function"]["name"] == "up" and schema["function"]["parameters"]["properties"] == {}
+    assert "row - 1" in schema["function"]["description"]
+    first = env.reset(prompt=[{"role": "user", "content": "x"}], seed=4)
+    assert first.startswith("\n\n") and "Tools: up, down, left, right" in first
+    ref = env_adapters.make("minigrid", **ABS)
+    ar, ac, gr, gc = _pos(ref.reset(4))
+    plan = (["down"] * max(0, gr - ar) + ["up"] * max(0, ar - gr) + ["right"] * max(0, gc - ac)
+            + ["left"] * max(0, ac - gc))
+    states = []
+    for a in plan:
+        states.append(stable_hash(ref.state_key()))
+        ref.step(a)
+        getattr(env, a)()
+    assert [t["state"] for t in env.agentcredit_turns] == states
+    assert [t["action"] for t in env.agentcredit_turns] == [stable_hash(a) for a in plan]
+    assert all(t["valid"] for t in env.agentcredit_turns)
+    assert env.agentcredit_done and env.agentcredit_success
+    assert env.agentcredit_final_state == stable_hash(ref.state_key())
+    assert env.get_reward() == pytest.approx(sum(t["reward"] for t in env.agentcredit_turns)) == 10.0
+    assert "over" in env.up() and len(env.agentcredit_turns) == len(plan)  # after the end: no step, reward 0
+    env.reset(seed=4)
+    assert env.agentcredit_turns == [] and env.get_reward() == 0.0 and not env.agentcredit_done
+
+    relative = environment_factory("minigrid", size=5)
+    names = {n for n, _ in inspect.getmembers(relative, predicate=inspect.isfunction)}
+    assert {"turn_left", "turn_right", "move_forward"} <= names
+    ds = cls.dataset([3, 4])
+    assert ds["seed"] == [3, 4] and ds["prompt"][0] == [{"role": "user",
+                                                         "content": "Play the game. Call one tool per turn."}]
+
+
+def test_environment_factory_trains_in_a_real_grpo_trainer(tiny, tmp_path):
+    from trl import GRPOConfig, GRPOTrainer
+
+    model, tok, _ = tiny
+    cls = environment_factory("minigrid", **ABS)
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, num_generations=4, per_device_train_batch_size=4,
+                      max_completion_length=24, report_to="none", logging_steps=1, use_cpu=True, bf16=False,
+                      save_strategy="no")
+    trainer = GRPOTrainer(model=model, processing_class=tok, environment_factory=cls,
+                          train_dataset=cls.dataset(range(4)), args=args)
+    assert {t.__name__ for t in trainer.tools} == {"up", "down", "left", "right"}
+    trainer.train()
+    assert trainer.state.global_step == 1
+    assert all(isinstance(e.agentcredit_turns, list) for e in trainer.environments)
+
+
+# ---- evaluate -----------------------------------------------------------------------------------------------------
+def test_evaluate_structure_and_wilson_interval(tiny):
+    model, tok, _ = tiny
+    res = evaluate(model, tok, "minigrid", ABS, seeds=range(100, 106), max_turns=3, temperature=1.0,
+                   max_new_tokens=6, batch_size=4)
+    assert isinstance(res, EvalResult) and res.n_episodes == 6 == len(res.episodes)
+    lo, hi = res.success_ci
+    assert 0 <= lo <= res.success_rate <= hi <= 1
+    assert 0 <= res.valid_rate <= 1 and 1 <= res.mean_turns <= 3 and res.seconds > 0
+    assert re.fullmatch(r"success \d+\.\d% \[\d+\.\d, \d+\.\d\] \(6 episodes\), valid actions \d+\.\d%", res.format())
+    greedy = [evaluate(model, tok, "minigrid", ABS, seeds=[7, 8], max_turns=2, greedy=True) for _ in range(2)]
+    assert [[t.response for t in e.turns] for e in greedy[0].episodes] == \
+        [[t.response for t in e.turns] for e in greedy[1].episodes]
+    lo, hi = wilson_interval(8, 64)
+    assert (round(100 * lo, 1), round(100 * hi, 1)) == (6.5, 22.8)

@@ -1,0 +1,314 @@
+"""TRL recipes: ``credit_plugins.recipe`` (loading, overrides, validation, derived batch geometry), the shipped
+``recipes/trl/*.yaml``, ``agentcredit train`` end to end on the tiny model, and the verl-recipe command."""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("trl")
+
+from credit_plugins import cli  # noqa: E402
+from credit_plugins.recipe import RecipeError, is_verl_recipe, load_recipe  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TRL_RECIPES = sorted(glob.glob(str(ROOT / "recipes" / "trl" / "*.yaml")))
+DEMO = str(ROOT / "recipes" / "trl" / "minigrid_gigpo.yaml")
+
+BASE = """\
+model_name_or_path: tiny-qwen2
+output_dir: {out}
+max_steps: 3
+learning_rate: 3.0e-5
+per_device_train_batch_size: 12
+use_cpu: true
+logging_steps: 1
+report_to: none
+agentcredit:
+  env: minigrid
+  env_options: {{size: 5}}
+  bridge: rollout_func
+  max_turns: 6
+  groups_per_step: 2
+  episodes_per_group: 2
+  credit: gigpo
+  credit_params: {{gamma: 0.9}}
+"""
+
+
+def _write(tmp_path, text: str | None = None, **replace) -> str:
+    text = (text or BASE).format(out=tmp_path / "out")
+    for old, new in replace.items():
+        text = text.replace(old, new)
+    p = tmp_path / "recipe.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        return False
+
+
+# ---- the shipped recipes -------------------------------------------------------------------------------------------
+def test_there_are_shipped_recipes():
+    names = {Path(p).stem for p in TRL_RECIPES}
+    assert {"minigrid_gigpo", "minigrid_graphhca", "minigrid_grpo", "sokoban_gigpo_env_factory"} <= names
+
+
+@pytest.mark.parametrize("path", TRL_RECIPES, ids=lambda p: Path(p).stem)
+def test_shipped_recipe_loads_and_builds_grpo_config(path):
+    overrides = [] if _cuda() or "use_cpu" in Path(path).read_text() else ["use_cpu=true"]  # GPU recipes on CPU
+    r = load_recipe(path, overrides)
+    ac = r.agentcredit
+    cfg = r.grpo_config()
+    E, T, P = ac.episodes_per_group, ac.max_turns, ac.groups_per_step
+    G = E * T if ac.bridge == "rollout_func" else E
+    assert cfg.num_generations == G
+    assert cfg.generation_batch_size == P * G
+    # one generation round is one optimizer step
+    assert cfg.steps_per_generation == cfg.gradient_accumulation_steps
+    assert cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size == P * G
+    assert cfg.max_steps > 0 and r.model_args["model_name_or_path"]
+    if ac.bridge == "rollout_func":
+        assert cfg.max_completion_length == ac.max_new_tokens
+    else:
+        assert cfg.max_tool_calling_iterations == T
+    assert not is_verl_recipe(path)
+
+
+def test_demo_recipe_settings():
+    r = load_recipe(DEMO)
+    t, ac = r.trl_args, r.agentcredit
+    assert r.model_args["model_name_or_path"] == "smollm2-135m-instruct"
+    assert (t["loss_type"], t["beta"], t["num_iterations"], t["bf16"], t["temperature"]) == ("dapo", 0.0, 1, True, 0.7)
+    assert t["lr_scheduler_type"] == "constant" and 3e-5 <= t["learning_rate"] <= 1e-4
+    assert t["use_cpu"] is True and t["logging_steps"] == 1 and t["save_strategy"] == "no"
+    assert (ac.env, ac.bridge, ac.credit, ac.freeze_layers) == ("minigrid", "rollout_func", "gigpo", 20)
+    assert ac.env_options == {"size": 6, "moves": "absolute", "shaping": 1.0}
+    assert ac.eval.seed_list == list(range(20000, 20064))
+
+
+def test_tensorboard_added_unless_report_to_is_set(tmp_path):
+    import importlib.util
+
+    r = load_recipe(_write(tmp_path, **{"report_to: none\n": ""}))
+    expected = ["tensorboard"] if importlib.util.find_spec("tensorboard") else "none"
+    assert r.trl_args["report_to"] == expected
+    assert load_recipe(_write(tmp_path)).trl_args["report_to"] == "none"
+
+
+# ---- overrides -------------------------------------------------------------------------------------------------------
+def test_overrides(tmp_path):
+    p = _write(tmp_path)
+    r = load_recipe(p, ["agentcredit.credit=graphhca", "agentcredit.credit_params={}", "learning_rate=1e-4",
+                        "agentcredit.env_options.size=6", "agentcredit.env_options.shaping=1.0",
+                        "agentcredit.eval.seeds=[20000,20004]", "max_steps=5"])
+    assert r.agentcredit.credit == "graphhca" and r.agentcredit.credit_params == {}
+    assert r.trl_args["learning_rate"] == pytest.approx(1e-4) and r.grpo_config().learning_rate == pytest.approx(1e-4)
+    assert r.agentcredit.env_options == {"size": 6, "shaping": 1.0}  # dotted keys set one entry of the mapping
+    assert r.agentcredit.eval.seed_list == [20000, 20001, 20002, 20003]
+    assert r.trl_args["max_steps"] == 5
+    r = load_recipe(p, ["agentcredit.env_options={size: 6}"])  # a mapping value replaces the mapping
+    assert r.agentcredit.env_options == {"size": 6}
+    # geometry follows overridden sizes
+    r = load_recipe(p, ["agentcredit.episodes_per_group=4", "per_device_train_batch_size=24"])
+    assert (r.trl_args["num_generations"], r.trl_args["generation_batch_size"],
+            r.trl_args["gradient_accumulation_steps"]) == (24, 48, 2)
+
+
+def test_malformed_override(tmp_path):
+    with pytest.raises(ValueError, match="key=value"):
+        load_recipe(_write(tmp_path), ["learning_rate"])
+
+
+# ---- errors ----------------------------------------------------------------------------------------------------------
+def test_unknown_top_level_key_names_it_and_suggests(tmp_path):
+    with pytest.raises(ValueError) as e:
+        load_recipe(_write(tmp_path, **{"learning_rate:": "learnng_rate:"}))
+    assert "'learnng_rate'" in str(e.value) and "did you mean 'learning_rate'" in str(e.value)
+    with pytest.raises(ValueError, match="'learning_rat'.*did you mean 'learning_rate'"):
+        load_recipe(_write(tmp_path), ["learning_rat=1e-4"])
+
+
+def test_unknown_agentcredit_key_lists_valid(tmp_path):
+    with pytest.raises(ValueError) as e:
+        load_recipe(_write(tmp_path), ["agentcredit.episodes_per_grp=4"])
+    msg = str(e.value)
+    assert "'episodes_per_grp'" in msg and "did you mean 'episodes_per_group'" in msg
+    assert "groups_per_step" in msg and "credit_params" in msg  # the valid keys are listed
+    with pytest.raises(ValueError, match="'seed'.*agentcredit.eval.*seeds"):
+        load_recipe(_write(tmp_path), ["agentcredit.eval.seed=[1,2]"])
+
+
+def test_unknown_env(tmp_path):
+    with pytest.raises(ValueError, match="'minigird'.*did you mean 'minigrid'.*available: .*sokoban"):
+        load_recipe(_write(tmp_path), ["agentcredit.env=minigird"])
+    with pytest.raises(ValueError, match="env_options.*'sise'"):
+        load_recipe(_write(tmp_path), ["agentcredit.env_options.sise=5"])
+
+
+def test_missing_env_package_names_the_key(tmp_path, monkeypatch):
+    from credit_plugins import registry
+
+    real = registry.get
+
+    def broken(name, kind="estimators"):
+        if kind == "envs":
+            def factory(**_):
+                raise ImportError("the 'minigrid' environment needs the 'minigrid' package")
+            return factory
+        return real(name, kind)
+
+    monkeypatch.setattr(registry, "get", broken)
+    with pytest.raises(ImportError, match="agentcredit.env='minigrid'.*needs the 'minigrid' package"):
+        load_recipe(_write(tmp_path))
+
+
+def test_unknown_estimator_lists_valid(tmp_path):
+    with pytest.raises(ValueError) as e:
+        load_recipe(_write(tmp_path), ["agentcredit.credit=gigpoo"])
+    msg = str(e.value)
+    assert "'gigpoo'" in msg and "did you mean 'gigpo'" in msg
+    assert all(name in msg for name in ("grpo", "gigpo", "graphhca"))
+
+
+def test_unknown_scheduler(tmp_path):
+    with pytest.raises(ValueError, match="agentcredit.schedule='no_such_schedule'.*scheduler"):
+        load_recipe(_write(tmp_path), ["agentcredit.schedule=no_such_schedule"])
+
+
+def test_bad_credit_param_names_it(tmp_path):
+    with pytest.raises(ValueError, match="credit_params.*'gama'.*gamma"):
+        load_recipe(_write(tmp_path), ["agentcredit.credit_params.gama=0.9"])
+
+
+def test_bad_bridge_and_sizes(tmp_path):
+    with pytest.raises(ValueError, match="bridge.*rollout_func.*environment_factory"):
+        load_recipe(_write(tmp_path), ["agentcredit.bridge=rollout"])
+    for key, value in (("max_turns", 0), ("groups_per_step", -1), ("max_new_tokens", 0), ("episodes_per_group", 1)):
+        with pytest.raises(ValueError, match=f"agentcredit.{key}"):
+            load_recipe(_write(tmp_path), [f"agentcredit.{key}={value}"])
+    with pytest.raises(ValueError, match="agentcredit.train_seeds"):
+        load_recipe(_write(tmp_path), ["agentcredit.train_seeds=[10,5]"])
+    with pytest.raises(ValueError, match="max_steps"):
+        load_recipe(_write(tmp_path, **{"max_steps: 3\n": ""}))
+
+
+def test_lora_and_freeze_layers_together(tmp_path):
+    with pytest.raises(ValueError, match="lora.*freeze_layers"):
+        load_recipe(_write(tmp_path), ["agentcredit.freeze_layers=1", "agentcredit.lora={r: 8, alpha: 16}"])
+    r = load_recipe(_write(tmp_path), ["agentcredit.lora={r: 8, alpha: 16, target_modules: [q_proj]}"])
+    assert r.agentcredit.lora_kwargs() == {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"],
+                                            "task_type": "CAUSAL_LM"}
+    with pytest.raises(ValueError, match="'rank'.*agentcredit.lora"):
+        load_recipe(_write(tmp_path), ["agentcredit.lora={rank: 8}"])
+
+
+def test_batch_geometry_that_does_not_divide(tmp_path):
+    # rollout_func: 2 groups x 2 episodes x 6 turns = 24 rows; 5 does not divide them
+    with pytest.raises(ValueError) as e:
+        load_recipe(_write(tmp_path), ["per_device_train_batch_size=5"])
+    assert "per_device_train_batch_size=5" in str(e.value) and "24" in str(e.value)
+
+
+def test_conflicting_derived_keys(tmp_path):
+    with pytest.raises(ValueError, match="num_generations=4 conflicts.*= 12"):
+        load_recipe(_write(tmp_path), ["num_generations=4"])
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=3 conflicts"):
+        load_recipe(_write(tmp_path), ["gradient_accumulation_steps=3"])
+    # the derived value itself is fine
+    r = load_recipe(_write(tmp_path), ["num_generations=12", "gradient_accumulation_steps=2"])
+    assert r.grpo_config().steps_per_generation == 2
+
+
+def test_environment_factory_geometry(tmp_path):
+    r = load_recipe(_write(tmp_path), ["agentcredit.bridge=environment_factory", "agentcredit.episodes_per_group=4",
+                                       "per_device_train_batch_size=4"])
+    assert (r.trl_args["num_generations"], r.trl_args["generation_batch_size"],
+            r.trl_args["gradient_accumulation_steps"], r.trl_args["max_tool_calling_iterations"]) == (4, 8, 2, 6)
+
+
+def test_train_seeds_exclude_eval_and_are_deterministic(tmp_path):
+    from credit_plugins.train import train_seeds
+
+    r = load_recipe(_write(tmp_path), ["agentcredit.train_seeds=[0,30]", "agentcredit.eval.seeds=[10,20]"])
+    a, b = train_seeds(r, 10, seed=0), train_seeds(r, 10, seed=0)
+    assert a == b and len(set(a)) == 20 and not any(10 <= s < 20 for s in a)
+    with pytest.raises(ValueError, match="train_seeds"):
+        train_seeds(r, 11, seed=0)
+
+
+def test_verl_recipe_detection(tmp_path):
+    verl = sorted(glob.glob(str(ROOT / "recipes" / "verl" / "*.yaml")))
+    assert verl and all(is_verl_recipe(p) for p in verl)
+    with pytest.raises(ValueError, match="verl"):
+        load_recipe(verl[0])
+
+
+# ---- the CLI ---------------------------------------------------------------------------------------------------------
+def test_cli_verl_recipe_prints_main_ppo_command(capsys):
+    path = ROOT / "recipes" / "verl" / "sokoban_gigpo.yaml"
+    assert cli.main(["train", str(path), "trainer.n_gpus_per_node=1"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()[-1]
+    assert out.startswith("python -m verl.trainer.main_ppo --config-path ")
+    assert f"--config-path {path.parent}" in out and "--config-name sokoban_gigpo" in out
+    assert out.endswith("trainer.n_gpus_per_node=1")
+
+
+def test_cli_errors_are_one_clean_line(tmp_path, capsys):
+    code = cli.main(["train", _write(tmp_path), "agentcredit.credit=gigpoo"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("agentcredit train: error: ") and "gigpoo" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert cli.main(["train", str(tmp_path / "missing.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert cli.main(["train", _write(tmp_path), "--bogus"]) == 2
+
+
+def test_learning_curve_plot_from_metrics(tmp_path):
+    from credit_plugins.trl_logging import plot_learning_curve
+
+    m = tmp_path / "metrics.jsonl"
+    m.write_text("\n".join(json.dumps({"step": s, "loss": 0.1 * s, "agentcredit/success": 0.1 * s,
+                                       "agentcredit/return": s, "agentcredit/valid": 0.5,
+                                       "agentcredit/adv_mean": 0.0, "agentcredit/adv_std": 1.0})
+                           for s in (1, 2, 3)) + "\n")
+    png = plot_learning_curve(m, {"success_rate": 0.1, "success_ci": [0.02, 0.3]},
+                              {"success_rate": 0.4, "success_ci": [0.2, 0.6]}, tmp_path / "lc.png")
+    assert Path(png).stat().st_size > 1000
+
+
+# ---- end to end ------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_cli_train_end_to_end_on_the_tiny_model(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = cli.main(["train", DEMO, "model_name_or_path=tiny-qwen2", "agentcredit.groups_per_step=1",
+                     "agentcredit.episodes_per_group=2", "per_device_train_batch_size=12",
+                     "agentcredit.freeze_layers=1",  # the tiny model has 2 layers (the demo freezes 20 of 30)
+                     "agentcredit.eval.seeds=[20000,20004]", f"output_dir={out}", "--max-steps", "2"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert len(rows) == 2 and [r["step"] for r in rows] == [1, 2]
+    assert all(math.isfinite(r["loss"]) for r in rows)
+    assert all("agentcredit/success" in r for r in rows)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["before"]["n_episodes"] == 4 and summary["after"]["n_episodes"] == 4
+    assert 0.0 <= summary["after"]["success_rate"] <= 1.0 and summary["steps"] == 2
+    assert summary["credit"] == "gigpo" and summary["recipe"].endswith("minigrid_gigpo.yaml")
+    png = out / "learning_curve.png"
+    assert png.exists() and png.stat().st_size > 1000
+    assert printed.strip().splitlines()[-1] == str(png)  # the PNG path is printed last
+    assert "95% interval" in printed and "before" in printed and "after" in printed
