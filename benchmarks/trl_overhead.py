@@ -28,6 +28,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 def step_times(trainer_cls, steps: int, workdir: str, env_options: dict, episodes: int, max_turns: int):
     """Median seconds per optimizer step (first step excluded) and the mixin's mean estimator seconds."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig
 
     from credit_plugins.models import resolve_model
@@ -52,6 +53,7 @@ def step_times(trainer_cls, steps: int, workdir: str, env_options: dict, episode
                           rollout_func=rollout, train_dataset=TurnRollout.dataset(range(4 * steps)),
                           callbacks=[clock])
     start = time.perf_counter()
+    trainer.remove_callback(PrinterCallback)  # the per-step log dicts; log_history still has them
     trainer.train()
     marks = [start] + clock.marks
     per_step = [b - a for a, b in zip(marks, marks[1:])][1:]

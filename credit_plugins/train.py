@@ -138,42 +138,7 @@ def _load_model(recipe: Recipe):
     if margs.get("attn_implementation"):
         kwargs["attn_implementation"] = margs["attn_implementation"]
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    _fix_chatml_eos(tokenizer, model)
     return path, tokenizer, model
-
-
-def _fix_chatml_eos(tokenizer, model) -> None:
-    """A ChatML tokenizer whose EOS is ``<|im_start|>`` (the SmolLM2 GGUF export does this) ends turns with
-    ``<|im_end|>``: make that the EOS of the tokenizer and the model, so generation and TRL's EOS masking stop there."""
-    vocab = tokenizer.get_vocab()
-    if tokenizer.eos_token != "<|im_start|>" or "<|im_end|>" not in vocab:
-        return
-    tokenizer.eos_token = "<|im_end|>"
-    eos = vocab["<|im_end|>"]
-    model.config.eos_token_id = eos
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.eos_token_id = eos
-    print("agentcredit train: the tokenizer's EOS was <|im_start|>; using <|im_end|> (ChatML end of turn)", flush=True)
-
-
-def _freeze(model, n_layers: int) -> None:
-    """:func:`models.freeze_lower_layers`, also for models whose ``base_model`` holds ``layers`` directly (the
-    ``*ForCausalLM`` classes of transformers 5, whose ``base_model`` is the inner ``*Model``)."""
-    try:
-        models.freeze_lower_layers(model, n_layers)
-        return
-    except ValueError as e:
-        if "cannot find the decoder layers" not in str(e):
-            raise
-        layers = getattr(getattr(model, "base_model", model), "layers", None)
-        if layers is None:
-            raise
-    if n_layers > len(layers):
-        raise ValueError(f"freeze_layers={n_layers} but the model has {len(layers)} decoder layers; use at most "
-                         f"{len(layers)}")
-    model.get_input_embeddings().requires_grad_(False)  # a tied LM head shares this parameter
-    for layer in layers[:n_layers]:
-        layer.requires_grad_(False)
 
 
 def _adapt_model(model, recipe: Recipe):
@@ -186,7 +151,7 @@ def _adapt_model(model, recipe: Recipe):
         model = get_peft_model(model, LoraConfig(**ac.lora_kwargs()))
     elif ac.freeze_layers:
         try:
-            _freeze(model, ac.freeze_layers)
+            models.freeze_lower_layers(model, ac.freeze_layers)
         except ValueError as e:
             raise RecipeError(f"agentcredit.freeze_layers: {e}") from e
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -16,6 +16,12 @@ Two action sets (option ``moves``):
   leaves the state unchanged (as in minigrid). The heading is then irrelevant, so the drawing shows the agent as ``A``
   and the status line gives the agent's and the goal's cell.
 
+Three observations (option ``view``): ``"grid"`` (default) draws the room; ``"coords"`` and ``"offset"`` (absolute
+moves, no interior walls: where a few numbers are the whole state) give only ``You are at row 2, column 1. The goal
+is at row 3, column 4.`` or the goal's offset from the agent, ``Goal offset: row +1, column +3.``. They cost ~15-20
+tokens instead of the drawing's ~100, which is what makes a CPU run of a 135M model affordable. Within one room (one
+seed, so one goal) the offset determines the agent's cell, so it is an exact state key there.
+
 Rendering, one character per cell, one row per line: ``#`` wall, ``.`` floor, ``G`` goal, ``K`` key, ``D`` closed
 door, ``L`` locked door, ``/`` open door, ``V`` lava, and the agent as ``>`` ``v`` ``<`` ``^`` (facing east, south,
 west, north; ``A`` with absolute moves), followed by the agent's position, heading and what it carries (absolute
@@ -34,7 +40,7 @@ from typing import Any
 from .base import DrawnState, StepResult, missing_package
 from .prompting import INVALID_PENALTY
 
-__all__ = ["MiniGridAdapter", "TASKS", "MOVES", "ABSOLUTE"]
+__all__ = ["MiniGridAdapter", "TASKS", "MOVES", "VIEWS", "ABSOLUTE"]
 
 HEADINGS = ("east", "south", "west", "north")
 _AGENT = (">", "v", "<", "^")
@@ -49,6 +55,7 @@ _HEADING_OF = {"right": 0, "down": 1, "left": 2, "up": 3}
 _ABS_ALIASES = {"east": "right", "south": "down", "west": "left", "north": "up"}
 ABSOLUTE = ("up", "down", "left", "right")
 MOVES = ("relative", "absolute")
+VIEWS = ("grid", "coords", "offset")
 
 TASKS = {
     "goal": ("turn left", "turn right", "move forward"),
@@ -130,11 +137,13 @@ class MiniGridAdapter(DrawnState):
         invalid_penalty: reward of a step without a parseable, admissible action (the state does not change).
         moves: ``"relative"`` (turn left / turn right / move forward) or ``"absolute"`` (up / down / left / right,
             task ``"goal"`` only).
+        view: ``"grid"`` (the drawing plus a status line), ``"coords"`` (the status line only) or ``"offset"`` (the
+            goal's row and column offset); the last two need absolute moves and no interior walls.
     """
 
     def __init__(self, size: int = 5, task: str = "goal", n_walls: int = 0, seed: int | None = None,
                  shaping: float = 0.0, success_reward: float = 10.0, invalid_penalty: float = INVALID_PENALTY,
-                 moves: str = "relative"):
+                 moves: str = "relative", view: str = "grid"):
         if task not in TASKS:
             raise ValueError(f"task={task!r}; choose one of {sorted(TASKS)}")
         if moves not in MOVES:
@@ -142,6 +151,11 @@ class MiniGridAdapter(DrawnState):
         if moves == "absolute" and task != "goal":
             raise ValueError(f"moves='absolute' is only available for task 'goal' (got task={task!r}); "
                              f"use moves='relative'")
+        if view not in VIEWS:
+            raise ValueError(f"view={view!r}; choose one of {list(VIEWS)}")
+        if view != "grid" and (moves != "absolute" or n_walls):
+            raise ValueError(f"view={view!r} needs moves='absolute' and n_walls=0 (got moves={moves!r}, "
+                             f"n_walls={n_walls}): only then do the coordinates describe the whole state")
         if size < (5 if task == "doorkey" else 3):
             raise ValueError(f"size={size} is too small for task {task!r} (walls included)")
         if n_walls < 0 or n_walls > (size - 2) ** 2 - 2:
@@ -152,7 +166,12 @@ class MiniGridAdapter(DrawnState):
         self.moves = moves
         self.absolute = moves == "absolute"
         self.legal = ABSOLUTE if self.absolute else TASKS[task]
-        if self.absolute:
+        self.view = view
+        if view == "coords":
+            self.task = "Reach the goal. up: row-1, down: row+1, left: column-1, right: column+1."
+        elif view == "offset":
+            self.task = "Reach the goal. up: row-1, down: row+1, left: column-1, right: column+1."
+        elif self.absolute:
             self.task = ("You are an expert agent in a grid world. Your task is to get to the goal G.\n"
                          "Map: # wall, . floor, G goal, A you. Row 0 is the top, column 0 the left. up: row - 1, "
                          "down: row + 1, left: column - 1, right: column + 1. Walls block moves.")
@@ -233,6 +252,12 @@ class MiniGridAdapter(DrawnState):
         """The full grid, one character per cell, then the agent's position, heading and load."""
         env = self._env
         ax, ay = (int(v) for v in env.agent_pos)
+        if self.view == "coords":
+            gx, gy = self._goal_position()
+            return f"You are at row {ay}, column {ax}. The goal is at row {gy}, column {gx}."
+        if self.view == "offset":
+            gx, gy = self._goal_position()
+            return f"Goal offset: row {gy - ay:+d}, column {gx - ax:+d}."
         rows = []
         for y in range(env.grid.height):
             row = []

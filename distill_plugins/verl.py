@@ -1,0 +1,574 @@
+"""agentcredit's on-policy-distillation bridge to verl 0.9.1 (DISTILL §2.2 estimators, §4/§6/§11 schedules).
+
+verl imports this module through the ``verl.plugins`` entry point ``agentcredit_distill`` (``pyproject.toml``;
+``VERL_USE_EXTERNAL_MODULES=distill_plugins.verl`` loads it loudly instead, since verl hides plugin errors). Importing
+it only registers post-import hooks (``wrapt``); ``import distill_plugins`` never imports verl. When verl imports
+
+* ``verl.trainer.distillation.losses``: the losses below are added to verl's distillation-loss registry
+  (``register_distillation_loss``), verl's ``compute_topk_loss`` (the logits-processor stage) and its
+  ``ppo_loss`` binding are wrapped (both act only for our loss modes / when our weights are in the batch);
+* ``verl.trainer.ppo.v1.trainer_base``: ``PPOTrainer._update_actor`` runs the loss scheduler once per step and
+  writes the step and its weights into ``batch.extra_info`` (verl turns that into ``NonTensorData`` of every
+  micro-batch the loss sees); ``_save_checkpoint`` / ``_load_checkpoint`` save and restore the scheduler state
+  (``agentcredit_distill_scheduler.pt`` in each ``global_step_N`` folder).
+
+Registered loss modes (``distillation.distillation_loss.loss_mode``), each returning verl's per-token
+``[bsz, resp_len]`` loss multiplied by the scheduler's ``w_opd``:
+
+===============================  =========  ===================================================================
+name                             verl mode  per-token loss (lp = log-prob of the sampled token y_t)
+===============================  =========  ===================================================================
+``agentcredit_k1``               estimator  E1: ``lp_S − lp_T``; with ``use_policy_gradient=true`` verl uses
+                                            ``−w_opd·k1 = w_opd·(lp_T − lp_S)`` as the advantage (tinker OPD).
+                                            Direct backprop is refused, as verl refuses its own ``k1``
+``agentcredit_k3``               estimator  k3: ``(r − 1) − log r``, ``log r = clamp(lp_T − lp_S, ±max_log_ratio)``
+``agentcredit_reverse_kl``       top-k      E2: ``Σ_b p_S(b)(log p_S(b) − log p_T(b))`` over the K+1 buckets
+                                            "teacher top-K ids + the rest" (exact full-vocabulary RKL when the
+                                            teacher's top-K holds all its mass, e.g. K = V; otherwise the RKL of
+                                            the coarse-grained distributions, a lower bound by data processing) [R]
+``agentcredit_gjsd``             top-k      E3: ``β KL(T‖M) + (1−β) KL(S‖M)``, ``M = β p_T + (1−β) p_S`` on the same
+                                            K+1 buckets (TRL convention: β=0 → KL(T‖S), β=1 → KL(S‖T)) [R]
+``agentcredit_topk_reverse_kl``  top-k      E5 (LSD SG-RKL): ``Σ_{v∈V} p̄_S(v)(log p̄_S(v) − log p̄_T(v))``, both
+                                            renormalised on V = the teacher's top-K ids (verl's teacher returns
+                                            no stop-token log-probs, so V has no extra stop tokens)
+``agentcredit_top1_ce``          top-k      E7 (OPW): ``−log p_S(argmax_v p_T(v))``, the teacher's argmax taken
+                                            over its top-K (= its global argmax)
+===============================  =========  ===================================================================
+
+"estimator" modes read ``data["teacher_logprobs"]`` ``[bsz, seq, 1]`` and ``model_output["log_probs"]``; "top-k"
+modes compute the loss in verl's logits-processor stage from the full student logits and the teacher's top-K
+``teacher_ids`` / ``teacher_logprobs`` ``[bsz, seq, K]`` (FSDP strategies only: Megatron shards the vocabulary).
+Every mode checks the teacher at response positions: NaN/inf log-probs, ids outside the student's vocabulary and
+shape mismatches are a ``ValueError`` naming the verl field.
+
+RL term: verl's ``distillation_ppo_loss`` computes ``L = L_PPO + coef·L_distill``. ``L_distill`` carries ``w_opd``
+(in the per-token loss); ``L_PPO`` (verl's whole ``ppo_loss``: policy-gradient loss plus its KL/entropy terms) is
+multiplied by ``w_rl`` (pattern P3, DISTILL §11.2 ``combine="loss"``). With ``use_policy_gradient=true`` and
+``agentcredit_k1`` the vanilla PG surrogate is linear in the advantage, so this is P2,
+``A = w_rl·A_RL + coef·w_opd·(lp_T − lp_old)`` (``combine="advantage"``; exact without ratio clipping).
+
+Configuration: the scheduler lives under ``algorithm.agentcredit_distill`` (verl passes ``algorithm`` on as a raw
+DictConfig and never turns it into a dataclass, so extra keys are safe there; ``distillation.distillation_loss.*``
+is a dataclass that rejects unknown keys)::
+
+    algorithm:
+      agentcredit_distill:
+        schedule: opw            # fixed | opw | lsd | tide (distill_plugins.available()); default fixed
+        params: {warmup_steps: 40}   # the scheduler's parameters (agentcredit describe opw)
+        loss: {}                 # loss hyperparameters: beta (gjsd, 0.5), max_log_ratio (k3, 20.0)
+
+    python -m verl.trainer.main_ppo ... distillation.enabled=true \\
+        distillation.distillation_loss.loss_mode=agentcredit_top1_ce \\
+        distillation.distillation_loss.use_task_rewards=true \\
+        +algorithm.agentcredit_distill.schedule=opw +algorithm.agentcredit_distill.params.warmup_steps=40
+
+The scheduler runs in the trainer process (v1 trainer, ``trainer.use_v1=true``) at ``step = global_steps − 1``
+(0-based); ``on_batch`` gets ``gap_abs_mean`` / ``gap_mean`` (mean |lp_T − lp_old| and mean (lp_T − lp_old) over
+response tokens; DISTILL §2.3) and, for TIDE, the per-row ``lp_teacher`` / ``lp_old`` / ``mask``, all read from the
+TransferQueue for estimator modes. Only the global weights reach verl's loss: a scheduler's per-row ``route`` or
+``token_weights`` (LSD routing, TIDE's local z/D̃) are not applied (a warning says so once). Without the trainer
+hook (legacy trainer, a hand-made batch) the loss uses ``w_opd = w_rl = 1`` and warns once.
+
+Keys written to ``batch.extra_info``: ``agentcredit_step`` (int), ``agentcredit_w_opd``, ``agentcredit_w_rl``
+(float), ``agentcredit_loss_params`` (dict).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from credit_plugins.post_import import install_post_import_hooks
+
+from . import losses as L
+
+logger = logging.getLogger("agentcredit")
+
+PREFIX = "agentcredit_"
+CONFIG_KEY = "agentcredit_distill"
+STEP_KEY, W_OPD_KEY, W_RL_KEY, PARAMS_KEY = ("agentcredit_step", "agentcredit_w_opd", "agentcredit_w_rl",
+                                             "agentcredit_loss_params")
+STATE_FILE = "agentcredit_distill_scheduler.pt"
+ESTIMATOR_LOSSES = ("agentcredit_k1", "agentcredit_k3")
+TOPK_LOSSES = ("agentcredit_reverse_kl", "agentcredit_gjsd", "agentcredit_topk_reverse_kl", "agentcredit_top1_ce")
+LOSSES = ESTIMATOR_LOSSES + TOPK_LOSSES
+#: loss hyperparameters (``algorithm.agentcredit_distill.loss``) and their defaults
+LOSS_PARAMS = {"beta": 0.5, "max_log_ratio": 20.0}
+#: which OPW ``estimator`` each loss mode implements (a mismatch is warned about)
+OPW_ESTIMATOR = {"agentcredit_top1_ce": "top1_ce", "agentcredit_reverse_kl": "reverse_kl"}
+_WARNED: set[str] = set()
+
+
+def _warn_once(key: str, msg: str, *args: Any) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(msg, *args)
+
+
+def _is_ours(loss_mode: Any) -> bool:
+    return isinstance(loss_mode, str) and loss_mode in LOSSES
+
+
+# ---- weights and parameters the trainer hook put into the micro-batch --------------------------------------------
+def _nt(data, key: str, default: Any = None) -> Any:
+    from verl.utils import tensordict_utils as tu
+
+    return tu.get_non_tensor_data(data=data, key=key, default=default)
+
+
+def batch_weights(data) -> tuple[float, float, dict[str, Any]]:
+    """``(w_opd, w_rl, loss_params)`` from the micro-batch's non-tensor data (1, 1, defaults when absent)."""
+    w_opd, w_rl = _nt(data, W_OPD_KEY), _nt(data, W_RL_KEY)
+    if w_opd is None:
+        _warn_once("no-weights", "agentcredit: no scheduler weights reached the distillation loss (needs the v1 "
+                   "trainer and distill_plugins.verl loaded in the trainer process); using w_opd = w_rl = 1")
+    params = dict(LOSS_PARAMS)
+    params.update(_nt(data, PARAMS_KEY, None) or {})
+    return (1.0 if w_opd is None else float(w_opd)), (1.0 if w_rl is None else float(w_rl)), params
+
+
+def loss_params(block: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``algorithm.agentcredit_distill.loss`` checked against :data:`LOSS_PARAMS`, defaults filled in."""
+    given = dict((block or {}).get("loss", None) or {})
+    unknown = sorted(set(given) - set(LOSS_PARAMS))
+    if unknown:
+        raise ValueError(f"algorithm.{CONFIG_KEY}.loss: unknown parameter(s) {unknown}; valid ones are "
+                         f"{sorted(LOSS_PARAMS)}")
+    out = dict(LOSS_PARAMS)
+    out.update({k: float(v) for k, v in given.items()})
+    if not 0.0 <= out["beta"] <= 1.0:
+        raise ValueError(f"algorithm.{CONFIG_KEY}.loss.beta must be in [0, 1], got {out['beta']}")
+    return out
+
+
+# ---- validation with verl's field names ----------------------------------------------------------------------------
+def _check_teacher(values: torch.Tensor, valid: torch.Tensor, field: str, mode: str) -> None:
+    """Non-finite teacher values at response positions are a ValueError naming verl's field."""
+    bad = ~torch.isfinite(values)
+    if bad.dim() > valid.dim():
+        bad = bad.flatten(valid.dim()).any(-1)
+    n = int((bad & valid).sum())
+    if n:
+        raise ValueError(f"{mode}: data[{field!r}] holds NaN/inf at {n} response position(s) of "
+                         f"{int(valid.sum())}; the teacher forward pass failed or is misaligned with the student's "
+                         f"tokens (check the teacher server's logprobs)")
+
+
+def _check_ids(ids: torch.Tensor, valid: torch.Tensor, vocab: int, mode: str) -> None:
+    bad = ((ids < 0) | (ids >= vocab)).any(-1) & valid
+    n = int(bad.sum())
+    if n:
+        raise ValueError(f"{mode}: data['teacher_ids'] holds ids outside the student's vocabulary [0, {vocab}) at "
+                         f"{n} response position(s) (max id {int(ids[valid].max())}); the teacher and the student "
+                         f"must share a tokenizer/vocabulary (DISTILL §1.2)")
+
+
+# ---- estimator modes (sampled-token teacher log-probs) ----------------------------------------------------------
+def sampled_token_losses(mode: str, student_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor,
+                         params: Mapping[str, Any]) -> torch.Tensor:
+    """``[B, T]`` per-token loss of an estimator mode (unweighted), via :mod:`distill_plugins.losses`."""
+    if tuple(teacher_logp.shape) != tuple(student_logp.shape):
+        raise ValueError(f"{mode}: data['teacher_logprobs'] gives {tuple(teacher_logp.shape)} response positions "
+                         f"but model_output['log_probs'] gives {tuple(student_logp.shape)}; the estimator modes need "
+                         f"one teacher log-prob per token (teacher topk=1), the same tokens as the student")
+    m = mask.bool()
+    _check_teacher(teacher_logp, m, "teacher_logprobs", mode)
+    if mode == "agentcredit_k1":
+        return L.k1(student_logp, teacher_logp, m)
+    if mode == "agentcredit_k3":
+        return L.k3(student_logp, teacher_logp, m, max_log_ratio=float(params["max_log_ratio"]))
+    raise ValueError(f"{mode} is not an estimator mode; estimator modes are {list(ESTIMATOR_LOSSES)}")
+
+
+def _estimator_loss(config, distillation_config, model_output, data):
+    """verl ``DistillationLossFn``: ``(actor_config, distillation_config, model_output, micro_batch)`` ->
+    ``([bsz, resp_len] per-token losses, metrics)``; the loss is ``w_opd`` times the estimator of ``loss_mode``."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    loss_cfg = distillation_config.distillation_loss
+    mode = loss_cfg.loss_mode
+    if mode == "agentcredit_k1" and not loss_cfg.use_policy_gradient:
+        raise ValueError("agentcredit_k1 needs distillation.distillation_loss.use_policy_gradient=true: the gradient "
+                         "of k1 (lp_S - lp_T) does not depend on the teacher (verl refuses its own k1 the same way)")
+    w_opd, _, params = batch_weights(data)
+    student = no_padding_2_padding(model_output["log_probs"], data)
+    teacher = no_padding_2_padding(data["teacher_logprobs"], data)
+    if teacher.dim() == 3:
+        if teacher.shape[-1] != 1:
+            raise ValueError(f"{mode}: data['teacher_logprobs'] has {teacher.shape[-1]} log-probs per token; the "
+                             f"estimator modes need the sampled token's only (top-k teacher output belongs to the "
+                             f"top-k modes {list(TOPK_LOSSES)})")
+        teacher = teacher.squeeze(-1)
+    mask = data["response_mask"]
+    mask = (mask.to_padded_tensor(0) if mask.is_nested else mask).bool()
+    per_token = sampled_token_losses(mode, student, teacher.to(student.dtype), mask, params)
+    return per_token * w_opd, _metrics(per_token, mask, w_opd)
+
+
+def _metrics(per_token: torch.Tensor, mask: torch.Tensor, w_opd: float) -> dict[str, Any]:
+    n = mask.sum().clamp_min(1)
+    return {"distillation/agentcredit_w_opd": float(w_opd),
+            "distillation/agentcredit_loss_unweighted": float((per_token.detach() * mask).sum() / n)}
+
+
+# ---- top-k modes (student logits, teacher top-K) ------------------------------------------------------------------
+def _buckets(logp_k: torch.Tensor) -> torch.Tensor:
+    """``[..., K] -> [..., K+1]`` log-probs: the K entries and the log of the remaining mass ``1 − Σ p_k``.
+
+    The tail is floored at ``1e-12`` of probability (a teacher whose top-K holds all its mass, K = V, gives an exact
+    full-vocabulary divergence up to that floor)."""
+    tail = torch.log((1.0 - logp_k.exp().sum(-1, keepdim=True)).clamp_min(1e-12))
+    return torch.cat([logp_k, tail], dim=-1)
+
+
+def topk_token_losses(mode: str, student_logits: torch.Tensor, teacher_ids: torch.Tensor,
+                      teacher_logp: torch.Tensor, valid: torch.Tensor, params: Mapping[str, Any]) -> torch.Tensor:
+    """``[B, N]`` per-token loss of a top-k mode (unweighted) from student logits ``[B, N, V]`` and the teacher's
+    top-K ``teacher_ids`` / ``teacher_logp`` ``[B, N, K]``; 0 where ``valid`` is False."""
+    if teacher_ids.shape != teacher_logp.shape or teacher_ids.shape[:2] != student_logits.shape[:2]:
+        raise ValueError(f"{mode}: data['teacher_ids'] {tuple(teacher_ids.shape)} and data['teacher_logprobs'] "
+                         f"{tuple(teacher_logp.shape)} must both be [B, N, K] over the student's "
+                         f"{tuple(student_logits.shape[:2])} positions")
+    vocab = student_logits.shape[-1]
+    _check_teacher(teacher_logp, valid, "teacher_logprobs", mode)
+    _check_ids(teacher_ids, valid, vocab, mode)
+    ids = torch.where(valid.unsqueeze(-1), teacher_ids.long(), torch.zeros((), dtype=torch.long,
+                                                                          device=teacher_ids.device))
+    if mode == "agentcredit_topk_reverse_kl":
+        return L.topk_reverse_kl(student_logits, mask=valid, k=None, teacher_ids=ids, teacher_logp=teacher_logp)
+    if mode == "agentcredit_top1_ce":
+        top1 = ids.gather(-1, teacher_logp.masked_fill(~valid.unsqueeze(-1), 0).argmax(-1, keepdim=True)).squeeze(-1)
+        return L.teacher_top1_ce(student_logits, mask=valid, teacher_top1=top1)
+    # E2/E3 on the K+1 buckets "teacher top-K + rest", as log-probs (log_softmax of them is the identity)
+    ls = torch.log_softmax(L._f(student_logits), dim=-1)
+    s_b = _buckets(ls.gather(-1, ids))
+    t_b = _buckets(L._f(teacher_logp.detach()).masked_fill(~valid.unsqueeze(-1), 0.0))
+    if mode == "agentcredit_reverse_kl":
+        return L.reverse_kl(s_b, t_b, valid)
+    if mode == "agentcredit_gjsd":
+        return L.generalized_jsd(s_b, t_b, valid, beta=float(params["beta"]))
+    raise ValueError(f"{mode} is not a top-k mode; top-k modes are {list(TOPK_LOSSES)}")
+
+
+def response_positions(data, n_tokens: int, device) -> torch.Tensor:
+    """``[1, total_nnz]`` bool: the packed positions whose logits predict a response token (verl's one-token shift:
+    response token t of a sequence with prompt length p sits at packed offset + p − 1 + t)."""
+    prompts, responses = data["prompts"], data["responses"]
+    if not (prompts.is_nested and responses.is_nested):
+        raise ValueError("agentcredit top-k losses need verl's no-padding (nested) micro-batches: data['prompts'] "
+                         "and data['responses'] must be jagged tensors")
+    p = prompts.offsets().diff().to(device)
+    r = responses.offsets().diff().to(device)
+    start = torch.cumsum(p + r, 0) - (p + r) + p - 1
+    idx = torch.arange(n_tokens, device=device)
+    seq = torch.bucketize(idx, torch.cumsum(p + r, 0), right=True).clamp_max(len(p) - 1)
+    return ((idx >= start[seq]) & (idx < start[seq] + r[seq])).unsqueeze(0)
+
+
+def _topk_logits_stage(config, distillation_config, data, student_logits: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Our replacement of verl's ``compute_topk_loss`` for our top-k modes: ``{"distillation_losses": [1, N]}``."""
+    mode = distillation_config.distillation_loss.loss_mode
+    if config.strategy not in ("fsdp", "fsdp2", "veomni"):
+        raise NotImplementedError(f"{mode}: actor_rollout_ref.actor.strategy={config.strategy!r} is not supported; "
+                                  f"the top-k agentcredit losses need full-vocabulary student logits (FSDP)")
+    from verl.utils.ulysses import get_ulysses_sequence_parallel_world_size, slice_input_tensor
+
+    t_logp, t_ids = data["teacher_logprobs"], data["teacher_ids"]
+    if not (t_logp.is_nested and t_ids.is_nested):
+        raise ValueError(f"{mode}: data['teacher_logprobs'] and data['teacher_ids'] must be jagged [bsz, seq, K]")
+    t_logp, t_ids = t_logp.values().unsqueeze(0), t_ids.values().unsqueeze(0)
+    valid = response_positions(data, t_logp.shape[1], t_logp.device)
+    if get_ulysses_sequence_parallel_world_size() > 1:
+        t_logp, t_ids = slice_input_tensor(t_logp, dim=1), slice_input_tensor(t_ids, dim=1)
+        valid = slice_input_tensor(valid, dim=1)
+    n = student_logits.shape[1]
+    if t_logp.shape[1] != n:
+        raise ValueError(f"{mode}: data['teacher_logprobs'] covers {t_logp.shape[1]} tokens but the student logits "
+                         f"{n}; teacher and student must score the same sequence")
+    _, _, params = batch_weights(data)
+    losses = topk_token_losses(mode, student_logits, t_ids, t_logp, valid, params)
+    # the marker proves to the final stage that these losses are ours (a fused-kernel path would bypass this stage
+    # and hand over verl's forward-KL top-k losses under the same key)
+    return {"distillation_losses": losses.float(), "agentcredit_topk": torch.ones_like(losses, dtype=torch.float32)}
+
+
+def _topk_loss(config, distillation_config, model_output, data):
+    """verl ``DistillationLossFn`` for the top-k modes: the per-token loss the logits-processor stage computed,
+    ``[bsz, resp_len]``, times ``w_opd``."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    if "agentcredit_topk" not in model_output:
+        raise ValueError(f"{distillation_config.distillation_loss.loss_mode}: model_output has no agentcredit top-k "
+                         f"losses; the logits-processor stage was bypassed (use_fused_kernels?); set "
+                         f"actor_rollout_ref.model.use_fused_kernels=false")
+    w_opd, _, _ = batch_weights(data)
+    per_token = no_padding_2_padding(model_output["distillation_losses"], data)
+    mask = data["response_mask"]
+    mask = (mask.to_padded_tensor(0) if mask.is_nested else mask).bool()
+    return per_token * w_opd, _metrics(per_token, mask, w_opd)
+
+
+# ---- wraps of verl's distillation module ----------------------------------------------------------------------------
+def _wrap_compute_topk_loss(orig):
+    if getattr(orig, "_agentcredit_distill", False):
+        return orig
+
+    @functools.wraps(orig)
+    def compute_topk_loss(config, distillation_config, data, student_logits, data_format):
+        if _is_ours(distillation_config.distillation_loss.loss_mode):
+            return _topk_logits_stage(config, distillation_config, data, student_logits)
+        return orig(config, distillation_config, data, student_logits, data_format)
+
+    compute_topk_loss._agentcredit_distill = True
+    return compute_topk_loss
+
+
+def _wrap_ppo_loss(orig):
+    """verl's ``ppo_loss`` as ``distillation_ppo_loss`` sees it: scaled by ``w_rl`` when our weights are present."""
+    if getattr(orig, "_agentcredit_distill", False):
+        return orig
+
+    @functools.wraps(orig)
+    def ppo_loss(config, model_output, data, dp_group=None):
+        loss, metrics = orig(config, model_output, data, dp_group)
+        w_rl = _nt(data, W_RL_KEY)
+        if w_rl is None:
+            return loss, metrics
+        metrics["distillation/agentcredit_w_rl"] = float(w_rl)
+        return loss * float(w_rl), metrics
+
+    ppo_loss._agentcredit_distill = True
+    return ppo_loss
+
+
+def _check_signature(obj, what: str, params: tuple[str, ...]) -> None:
+    import inspect
+
+    names = list(inspect.signature(obj).parameters) if obj is not None else None
+    if names is None or names[: len(params)] != list(params):
+        raise RuntimeError(f"agentcredit: verl's {what} takes {names}, expected the first to be {list(params)}; "
+                           f"distill_plugins.verl supports verl>=0.9.1,<0.10")
+
+
+def register_losses(module) -> list[str]:
+    """Register our loss modes with verl's registry in ``module`` (``verl.trainer.distillation.losses``) and wrap
+    its ``compute_topk_loss`` / ``ppo_loss``; names already registered to our functions are kept. Returns the names
+    registered now."""
+    _check_signature(module.compute_topk_loss, "compute_topk_loss",
+                     ("config", "distillation_config", "data", "student_logits", "data_format"))
+    _check_signature(module.ppo_loss, "ppo_loss", ("config", "model_output", "data"))
+    new = []
+    for names, fn, flags in ((ESTIMATOR_LOSSES, _estimator_loss, {"use_estimator": True}),
+                             (TOPK_LOSSES, _topk_loss, {"use_topk": True})):
+        todo = [n for n in names if n not in module.DISTILLATION_LOSS_REGISTRY]
+        if todo:
+            module.register_distillation_loss(module.DistillationLossSettings(names=todo, **flags))(fn)
+            new += todo
+    module.compute_topk_loss = _wrap_compute_topk_loss(module.compute_topk_loss)
+    module.ppo_loss = _wrap_ppo_loss(module.ppo_loss)
+    if new:
+        logger.warning("agentcredit: registered verl distillation losses %s", new)
+    return new
+
+
+# ---- the scheduler, in the trainer process ------------------------------------------------------------------------
+#: the trainer process's scheduler: (config key, instance)
+SCHEDULER: dict[str, Any] = {}
+PENDING: dict[str, Any] = {}
+
+
+def _block(config) -> dict[str, Any]:
+    algo = config.get("algorithm", None) if hasattr(config, "get") else None
+    sub = algo.get(CONFIG_KEY, None) if algo is not None else None
+    if sub is None:
+        return {}
+    if not isinstance(sub, Mapping) or hasattr(sub, "_get_node"):
+        from omegaconf import OmegaConf
+
+        sub = OmegaConf.to_container(sub, resolve=True)
+    unknown = sorted(set(sub) - {"schedule", "params", "loss"})
+    if unknown:
+        raise ValueError(f"algorithm.{CONFIG_KEY}: unknown key(s) {unknown}; valid keys are "
+                         f"['loss', 'params', 'schedule']")
+    return dict(sub)
+
+
+def scheduler_for(block: Mapping[str, Any]):
+    """The process's scheduler for ``algorithm.agentcredit_distill`` (a new one when the block changes)."""
+    import distill_plugins
+
+    name = str(block.get("schedule", None) or "fixed")
+    params = dict(block.get("params", None) or {})
+    key = repr((name, sorted(params.items())))
+    if SCHEDULER.get("key") != key:
+        if name not in distill_plugins.available():
+            raise ValueError(f"algorithm.{CONFIG_KEY}.schedule={name!r} is not a scheduler; available: "
+                             f"{distill_plugins.available()}")
+        SCHEDULER.update(key=key, instance=distill_plugins.create(name, **params))
+        if PENDING.get("state") is not None:
+            SCHEDULER["instance"].load_state_dict(PENDING.pop("state"))
+    return SCHEDULER["instance"]
+
+
+def gap_statistics(lp_teacher: torch.Tensor, lp_old: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """DISTILL §2.3 logs: ``gap_abs_mean = mean|lp_T − lp_old|`` (TIDE's G_k over tokens) and
+    ``gap_mean = mean(lp_T − lp_old)`` (= −tinker ``teacher_kl``) over valid tokens."""
+    m = mask.bool()
+    d = (lp_teacher.double() - lp_old.double())[m]
+    if not d.numel():
+        return {"gap_abs_mean": 0.0, "gap_mean": 0.0}
+    return {"gap_abs_mean": float(d.abs().mean()), "gap_mean": float(d.mean())}
+
+
+def _batch_view(tq, batch) -> dict[str, torch.Tensor] | None:
+    """Per-row ``lp_teacher``, ``lp_old``, ``mask`` ``[B, R]`` of a v1 batch from the TransferQueue (padding rows
+    masked out); None when the rows have no sampled-token teacher log-probs."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    fields = ["teacher_logprobs", "old_log_probs", "response_mask", "prompts", "responses"]
+    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+    teacher = no_padding_2_padding(data["teacher_logprobs"], data)
+    if teacher.dim() == 3:
+        if teacher.shape[-1] != 1:
+            return None
+        teacher = teacher.squeeze(-1)
+    old = data["old_log_probs"]
+    old = old.to_padded_tensor(0.0) if old.is_nested else old
+    mask = data["response_mask"]
+    mask = (mask.to_padded_tensor(0) if mask.is_nested else mask).bool()
+    if batch.tags is not None:
+        pad = torch.tensor([bool((t or {}).get("is_padding", False)) for t in batch.tags])
+        mask = mask & ~pad.unsqueeze(-1)
+    return {"lp_teacher": teacher.float(), "lp_old": old.float(), "mask": mask}
+
+
+def schedule_step(trainer, batch, metrics: dict, tq=None) -> dict[str, Any] | None:
+    """Run the scheduler for this step and return the ``extra_info`` entries (None: not an agentcredit loss)."""
+    cfg = trainer.config
+    dist = cfg.get("distillation", None)
+    if dist is None or not dist.get("enabled", False):
+        return None
+    mode = dist.distillation_loss.loss_mode
+    if not _is_ours(mode):
+        return None
+    block = _block(cfg)
+    params = loss_params(block)
+    sched = scheduler_for(block)
+    step = int(trainer.global_steps) - 1
+    view, stats = None, {}
+    if mode in ESTIMATOR_LOSSES and tq is not None:
+        view = _batch_view(tq, batch)
+        if view is not None:
+            stats = gap_statistics(view["lp_teacher"], view["lp_old"], view["mask"])
+    out = sched.on_batch(step, stats, view)
+    if out.route is not None or out.token_weights is not None or out.token_weights_rl is not None:
+        _warn_once("local", "agentcredit: scheduler %r returned per-row route/token weights; the verl distillation "
+                   "bridge applies only its global w_opd/w_rl", sched.name)
+    want = (out.params or {}).get("estimator")
+    if want and mode in OPW_ESTIMATOR and OPW_ESTIMATOR[mode] != want:
+        _warn_once("estimator", "agentcredit: scheduler %r asks for estimator %r but loss_mode is %r", sched.name,
+                   want, mode)
+    metrics.update({f"agentcredit_distill/{k}": v for k, v in stats.items()})
+    metrics.update({"agentcredit_distill/w_opd": float(out.w_opd), "agentcredit_distill/w_rl": float(out.w_rl),
+                    "agentcredit_distill/step": float(step)})
+    metrics.update({k if "/" in k else f"agentcredit_distill/{k}": float(v) for k, v in (out.logs or {}).items()})
+    return {STEP_KEY: step, W_OPD_KEY: float(out.w_opd), W_RL_KEY: float(out.w_rl), PARAMS_KEY: params}
+
+
+def _marked(build):
+    @functools.wraps(build)
+    def wrap(orig):
+        if orig is None:
+            raise RuntimeError("agentcredit: verl's v1 PPOTrainer lacks a method distill_plugins.verl wraps; it "
+                               "supports verl>=0.9.1,<0.10")
+        if getattr(orig, "_agentcredit_distill", False):
+            return orig
+        wrapped = functools.wraps(orig)(build(orig))
+        wrapped._agentcredit_distill = True
+        return wrapped
+
+    return wrap
+
+
+@_marked
+def wrap_update_actor(orig):
+    """``PPOTrainer._update_actor(self, batch, metrics)``: schedule, then write step and weights to extra_info."""
+    _check_signature(orig, "PPOTrainer._update_actor", ("self", "batch", "metrics"))
+
+    def _update_actor(self, batch, metrics):
+        import transfer_queue as tq
+
+        info = schedule_step(self, batch, metrics, tq)
+        if info is not None:
+            batch.extra_info.update(copy.deepcopy(info))
+        return orig(self, batch, metrics)
+
+    return _update_actor
+
+
+def _checkpoint_folder(trainer) -> str | None:
+    """The ``global_step_N`` folder verl just saved to or resumed from (as credit_plugins.verl.hooks)."""
+    cfg = trainer.config.trainer
+    if getattr(trainer, "global_steps", 0) <= 0:
+        return None
+    resume_path = cfg.get("resume_from_path", None)
+    if cfg.get("resume_mode", "auto") == "resume_path" and resume_path:
+        return resume_path
+    return os.path.join(cfg.default_local_dir, f"global_step_{trainer.global_steps}")
+
+
+@_marked
+def wrap_save_checkpoint(orig):
+    def _save_checkpoint(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        folder = _checkpoint_folder(self)
+        if SCHEDULER.get("instance") is not None and folder is not None and os.path.isdir(folder):
+            torch.save(SCHEDULER["instance"].state_dict(), os.path.join(folder, STATE_FILE))
+        return out
+
+    return _save_checkpoint
+
+
+@_marked
+def wrap_load_checkpoint(orig):
+    def _load_checkpoint(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        folder = _checkpoint_folder(self)
+        path = None if folder is None else os.path.join(folder, STATE_FILE)
+        if path is not None and os.path.exists(path):
+            state = torch.load(path, weights_only=False)
+            if SCHEDULER.get("instance") is not None:
+                SCHEDULER["instance"].load_state_dict(state)
+            else:
+                PENDING["state"] = state
+            logger.warning("agentcredit: restored the %r scheduler state from %s", state.get("scheduler"), path)
+        return out
+
+    return _load_checkpoint
+
+
+def _patch_v1_trainer(module) -> None:
+    cls = module.PPOTrainer
+    cls._update_actor = wrap_update_actor(cls.__dict__.get("_update_actor"))
+    cls._save_checkpoint = wrap_save_checkpoint(cls.__dict__.get("_save_checkpoint"))
+    cls._load_checkpoint = wrap_load_checkpoint(cls.__dict__.get("_load_checkpoint"))
+
+
+TARGETS = {
+    "verl.trainer.distillation.losses": register_losses,
+    "verl.trainer.ppo.v1.trainer_base": _patch_v1_trainer,
+}
+
+
+def install() -> None:
+    """Register the post-import hooks (they run at once for modules already imported)."""
+    install_post_import_hooks(TARGETS, "the agentcredit distillation losses and schedules are not available")
+
+
+install()
