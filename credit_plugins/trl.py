@@ -288,26 +288,29 @@ class CreditMixin:
 
 
 def make_trainer(base: type | None = None, credit: str = "grpo", schedule: str | None = None,
-                 name: str | None = None, **credit_params: Any) -> type:
+                 name: str | None = None, *, schedule_params: dict[str, Any] | None = None, teacher: Any = None,
+                 **credit_params: Any) -> type:
     """A subclass of ``base`` (default ``trl.GRPOTrainer``) whose advantages come from the estimator ``credit``.
 
     ``credit_params`` are the estimator's parameters (``agentcredit describe NAME``); they are validated here, so a
     typo fails before any model is loaded. ``schedule`` names a registered distillation scheduler
-    (``agentcredit list schedulers``); an unknown one is a ``ValueError`` listing the registered ones.
+    (``agentcredit list schedulers``; an unknown one is a ``ValueError`` listing them) with ``schedule_params``; it
+    adds :class:`distill_plugins.trl.DistillMixin` in front, with ``teacher`` (a model path / hub id, or ``"ema"``;
+    or pass ``teacher_model=`` to the trainer).
     """
     if base is None:
         from trl import GRPOTrainer as base
     check_trl(base)
     registry.get(credit).make_params(**credit_params)
     mixins: list[type] = [CreditMixin]
+    attrs: dict[str, Any] = {"credit": credit, "credit_params": dict(credit_params), "__module__": __name__}
     if schedule is not None:
-        sched = registry.get(schedule, kind="schedulers")
-        mixin = getattr(sched, "trl_mixin", None)
-        if mixin is None:
-            raise ValueError(f"scheduler {schedule!r} has no TRL mixin (its `trl_mixin` attribute)")
-        mixins.insert(0, mixin() if not isinstance(mixin, type) else mixin)
-    attrs = {"credit": credit, "credit_params": dict(credit_params), "__module__": __name__}
-    if schedule is not None:
-        attrs["schedule"] = schedule
+        registry.get(schedule, kind="schedulers").make_params(**dict(schedule_params or {}))
+        from distill_plugins.trl import DistillMixin
+
+        mixins.insert(0, DistillMixin)
+        attrs.update(schedule=schedule, schedule_params=dict(schedule_params or {}), teacher=teacher)
+    elif schedule_params or teacher is not None:
+        raise ValueError("make_trainer: schedule_params / teacher need a schedule (e.g. schedule='fixed')")
     title = "".join(part.capitalize() for part in credit.split("_"))
     return type(name or f"{title}{base.__name__}", (*mixins, base), attrs)

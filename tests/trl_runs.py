@@ -19,9 +19,9 @@ def length_reward(completions, **kwargs):
 
 
 def train_plain(trainer_cls, output_dir: str, steps: int = 3, batch: int = 8, num_generations: int = 4,
-                loss_type: str = "grpo", resume: str | None = None, **config):
+                loss_type: str = "grpo", resume: str | None = None, trainer_kwargs: dict | None = None, **config):
     """Train ``trainer_cls`` on the tiny model for ``steps`` steps of a plain-text prompt dataset; return the
-    trainer (its ``state.log_history`` holds loss and grad_norm per step)."""
+    trainer (its ``state.log_history`` holds loss and grad_norm per step). ``trainer_kwargs`` go to the trainer."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
@@ -39,7 +39,7 @@ def train_plain(trainer_cls, output_dir: str, steps: int = 3, batch: int = 8, nu
                       logging_steps=1, use_cpu=True, seed=0, learning_rate=1e-3,
                       loss_type=loss_type, disable_tqdm=True, **config)
     trainer = trainer_cls(model=model, reward_funcs=[length_reward], args=args, train_dataset=ds,
-                          processing_class=tok)
+                          processing_class=tok, **(trainer_kwargs or {}))
     trainer.train(resume_from_checkpoint=os.path.join(output_dir, resume) if resume else None)
     return trainer
 

@@ -111,6 +111,9 @@ class LossScheduler(abc.ABC):
     name: ClassVar[str] = ""
     Params: ClassVar[type]
     STATE_DOC: ClassVar[str] = "nothing"
+    #: whether ``decide`` reads teacher statistics (``lp_teacher``/``lp_old`` in ``batch``, ``gap_*`` in ``metrics``):
+    #: when False a trainer may skip the teacher pass before ``on_batch`` (it still runs one if the output needs δ)
+    reads_teacher_logps: ClassVar[bool] = True
 
     def __init__(self, params: Any | None = None, **values: Any):
         if params is not None and values:

@@ -45,6 +45,7 @@ class FixedSchedule(LossScheduler):
     name = "fixed"
     Params = FixedParams
     STATE_DOC = "nothing (stateless)"
+    reads_teacher_logps = False
     paper = "fixed OPD+RL mix (tinker-cookbook, slime --opd-kl-coef, SDAR/CCM lambda=0.01)"
 
     def initial_state(self) -> dict[str, Any]:

@@ -149,6 +149,7 @@ class LSDSchedule(LossScheduler):
     name = "lsd"
     Params = LSDParams
     STATE_DOC = "updates (actor updates seen, which starts the EMA) and ema_updates (EMA updates requested)"
+    reads_teacher_logps = False
     paper = "LSD: Length Self-Distillation and the Length-Scaling Tax, arXiv:2609.38854"
 
     def initial_state(self) -> dict[str, Any]:

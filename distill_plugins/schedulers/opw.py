@@ -49,6 +49,7 @@ class OPWSchedule(LossScheduler):
     name = "opw"
     Params = OPWParams
     STATE_DOC = "switched_at: the first RL-phase step seen (None during warm-up)"
+    reads_teacher_logps = False
     paper = "OPW: On-Policy Warmup for agentic RL, arXiv:2609.39436"
 
     def initial_state(self) -> dict[str, Any]:
