@@ -92,6 +92,23 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_sft(args: argparse.Namespace) -> int:
+    from .recipe import RecipeError, load_recipe
+
+    bad = [o for o in args.overrides if o.startswith("-") or "=" not in o]
+    if bad:
+        return _train_error(f"unrecognised argument(s) {bad}; overrides are key=value")
+    try:
+        recipe = load_recipe(args.recipe, list(args.overrides))
+        from . import sft
+
+        sft.run_sft(recipe, args.out, episodes=args.episodes, steps=args.steps, batch_size=args.batch_size,
+                    learning_rate=args.learning_rate, eval=not args.no_eval)
+    except (RecipeError, ImportError, FileNotFoundError) as e:
+        return _train_error(str(e))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentcredit", description="Credit-assignment and distillation plugins "
                                      "for verl and TRL agent RL.")
@@ -113,6 +130,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations before and after")
     p.add_argument("--run", action="store_true", help="verl recipes: run the printed command")
     p.set_defaults(func=_cmd_train)
+    p = sub.add_parser("sft", help="make a distillation teacher: fine-tune a recipe's model on the env's scripted "
+                       "expert (credit_plugins.sft)")
+    p.add_argument("recipe", help="recipe YAML file (its model, env, prompt format and eval are used)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides of the recipe")
+    p.add_argument("--out", required=True, help="folder for the teacher checkpoint")
+    p.add_argument("--episodes", type=int, default=256, help="expert episodes (one per training seed)")
+    p.add_argument("--steps", type=int, default=60, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--learning-rate", type=float, default=5e-5)
+    p.add_argument("--no-eval", action="store_true", help="skip the teacher's held-out evaluation")
+    p.set_defaults(func=_cmd_sft)
     return parser
 
 
@@ -120,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
-        if getattr(args, "command", None) != "train":
+        if getattr(args, "command", None) not in ("train", "sft"):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = list(args.overrides) + extra  # key=value after an option; _cmd_train checks them
     return args.func(args)

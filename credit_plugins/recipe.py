@@ -89,6 +89,8 @@ class AgentCreditConfig:
     credit: str = "grpo"
     credit_params: dict[str, Any] = field(default_factory=dict)
     schedule: str | None = None
+    schedule_params: dict[str, Any] = field(default_factory=dict)
+    teacher: str | None = None  # a model path / hub id / built-in name, or "ema" (an EMA of the student, LSD)
     freeze_layers: int = 0
     lora: dict[str, Any] | None = None
     train_seeds: list[int] = field(default_factory=lambda: [0, 100000])  # half-open range [lo, hi)
@@ -369,6 +371,17 @@ def _agentcredit(block: Any, model_args: dict[str, Any], build_env: bool) -> Age
             raise RecipeError(f"agentcredit.schedule={ac.schedule!r} is not a registered scheduler"
                               f"{_suggest(ac.schedule, schedulers)}; available: "
                               f"{', '.join(schedulers) or '(none registered yet)'}")
+        try:
+            registry.get(ac.schedule, kind="schedulers").make_params(**(ac.schedule_params or {}))
+        except (ValueError, TypeError) as e:
+            raise RecipeError(f"agentcredit.schedule_params: {e}") from e
+        if ac.teacher is None:
+            raise RecipeError(f"agentcredit.schedule={ac.schedule!r} needs agentcredit.teacher: a model path or hub id "
+                              f"with the student's tokenizer (recipes/trl/make_teacher.py builds one for MiniGrid), "
+                              f"or 'ema' (an EMA of the student, as LSD uses)")
+    elif ac.schedule_params or ac.teacher is not None:
+        raise RecipeError("agentcredit.schedule_params / agentcredit.teacher are set but agentcredit.schedule is null; "
+                          "set a schedule (agentcredit list schedulers) or remove them")
 
     # model adaptation: lora (or ModelConfig's use_peft) xor freeze_layers
     if ac.lora is None and model_args.get("use_peft"):

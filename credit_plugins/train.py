@@ -244,7 +244,11 @@ def run(recipe: Recipe, max_steps: int | None = None, eval: bool = True) -> RunR
         before = _evaluate(bridge, model, tokenizer, recipe)
         print(format_eval_table(before, None, header="before training: " + header), flush=True)
 
-    trainer_cls = credit_trl.make_trainer(GRPOTrainer, credit=ac.credit, schedule=ac.schedule, **ac.credit_params)
+    distill = {}
+    if ac.schedule is not None:
+        distill = {"schedule_params": dict(ac.schedule_params), "teacher": ac.teacher}
+    trainer_cls = credit_trl.make_trainer(GRPOTrainer, credit=ac.credit, schedule=ac.schedule, **distill,
+                                          **ac.credit_params)
     metrics_cb = MetricsCallback(out_dir / "metrics.jsonl")
     trainer = trainer_cls(model=model, processing_class=tokenizer, args=config, train_dataset=dataset,
                           callbacks=[metrics_cb], **bridge_kwargs)
@@ -261,7 +265,8 @@ def run(recipe: Recipe, max_steps: int | None = None, eval: bool = True) -> RunR
                               title=f"{recipe.name}: {ac.credit} on {ac.env} ({steps} steps)")
     summary = {
         "recipe": str(recipe.path), "overrides": list(recipe.overrides), "credit": ac.credit,
-        "credit_params": dict(ac.credit_params), "env": ac.env, "env_options": dict(ac.env_options),
+        "credit_params": dict(ac.credit_params), "schedule": ac.schedule,
+        "schedule_params": dict(ac.schedule_params), "teacher": ac.teacher, "env": ac.env, "env_options": dict(ac.env_options),
         "bridge": ac.bridge, "model": recipe.model_args["model_name_or_path"],
         "steps": int(trainer.state.global_step), "max_steps": steps, "wall_seconds": round(wall, 2),
         "train_seconds": round(train_seconds, 2), "trainable_parameters": trainable,

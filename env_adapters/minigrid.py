@@ -239,6 +239,29 @@ class MiniGridAdapter(DrawnState):
     def legal_actions(self) -> list[str]:
         return list(self.legal)
 
+    def expert_actions(self) -> list[str]:
+        """The moves that start a shortest path to the goal (absolute moves, task ``"goal"``): the scripted expert
+        whose turns ``agentcredit sft`` imitates. Empty when the episode is over or the goal is unreachable."""
+        if not self.absolute:
+            raise NotImplementedError("expert_actions is defined for moves='absolute' only")
+        if self._done:
+            return []
+        grid, goal = self._env.grid, self._goal_position()
+        ax, ay = (int(v) for v in self._env.agent_pos)
+        here = _distance(grid, (ax, ay), goal)
+        if here is None:
+            return []
+        steps = {"right": (1, 0), "down": (0, 1), "left": (-1, 0), "up": (0, -1)}
+        best = []
+        for move in self.legal:
+            nx, ny = ax + steps[move][0], ay + steps[move][1]
+            cell = grid.get(nx, ny)
+            if cell is not None and not (cell.can_overlap() or cell.type == "door"):
+                continue
+            if _distance(grid, (nx, ny), goal) == here - 1:
+                best.append(move)
+        return best
+
     def snapshot(self) -> dict[str, Any]:
         return {"env": copy.deepcopy(self._env), "done": self._done, "solved": self._solved}
 

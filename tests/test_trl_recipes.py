@@ -314,3 +314,59 @@ def test_cli_train_end_to_end_on_the_tiny_model(tmp_path, capsys):
     assert png.exists() and png.stat().st_size > 1000
     assert printed.strip().splitlines()[-1] == str(png)  # the PNG path is printed last
     assert "95% interval" in printed and "before" in printed and "after" in printed
+
+
+# ---- distillation keys and the teacher command -------------------------------------------------------------------
+def test_schedule_needs_a_teacher_and_valid_params(tmp_path):
+    with pytest.raises(ValueError, match="agentcredit.teacher"):
+        load_recipe(_write(tmp_path), ["agentcredit.schedule=tide"])
+    with pytest.raises(ValueError, match="schedule_params.*windw"):
+        load_recipe(_write(tmp_path), ["agentcredit.schedule=tide", "agentcredit.teacher=x",
+                                       "agentcredit.schedule_params.windw=3"])
+    with pytest.raises(ValueError, match="schedule is null"):
+        load_recipe(_write(tmp_path), ["agentcredit.teacher=x"])
+    r = load_recipe(_write(tmp_path), ["agentcredit.schedule=opw", "agentcredit.teacher=ema",
+                                       "agentcredit.schedule_params.warmup_steps=2"])
+    assert (r.agentcredit.schedule, r.agentcredit.teacher, r.agentcredit.schedule_params) == \
+        ("opw", "ema", {"warmup_steps": 2})
+
+
+def test_expert_turns_follow_shortest_paths_in_the_rollout_format(tmp_path):
+    import random
+
+    from transformers import AutoTokenizer
+
+    import env_adapters
+    from credit_plugins.models import resolve_model
+    from credit_plugins.sft import expert_turns
+
+    recipe = load_recipe(DEMO)
+    tok = AutoTokenizer.from_pretrained(resolve_model("tiny-qwen2"))
+    rows = expert_turns(recipe, tok, [3, 4, 5], random.Random(0))
+    assert rows and all(tok.decode(c).endswith("</action>") for _, c in rows)
+    assert all(tok.decode(p).endswith("<action>") for p, _ in rows)
+    env = env_adapters.make("minigrid", **recipe.agentcredit.env_options)
+    for seed in range(20):  # the expert solves every room within the turn budget
+        env.reset(seed)
+        for _ in range(recipe.agentcredit.max_turns):
+            res = env.step(env.expert_actions()[0])
+            if res.done:
+                break
+        assert res.success and env.expert_actions() == []
+
+
+@pytest.mark.slow
+def test_sft_then_a_distillation_recipe_end_to_end_on_the_tiny_model(tmp_path, capsys):
+    teacher = tmp_path / "teacher"
+    tiny = ["model_name_or_path=tiny-qwen2", "agentcredit.groups_per_step=1", "agentcredit.episodes_per_group=2",
+            "per_device_train_batch_size=12", "agentcredit.freeze_layers=1", "agentcredit.eval.seeds=[20000,20004]"]
+    assert cli.main(["sft", DEMO, *tiny, "--out", str(teacher), "--steps", "2", "--episodes", "4"]) == 0
+    summary = json.loads((teacher / "sft_summary.json").read_text())
+    assert summary["turns"] > 0 and summary["eval"]["n_episodes"] == 4
+    out = tmp_path / "run"
+    tide = str(ROOT / "recipes" / "trl" / "minigrid_tide.yaml")
+    assert cli.main(["train", tide, *tiny, f"agentcredit.teacher={teacher}", f"output_dir={out}", "--max-steps",
+                     "2", "--no-eval"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert len(rows) == 2 and all("agentcredit/tide/lambda" in r for r in rows)
+    assert json.loads((out / "summary.json").read_text())["schedule"] == "tide"

@@ -1,0 +1,138 @@
+"""``agentcredit sft``: a distillation teacher from a recipe, by supervised fine-tuning on scripted-expert turns.
+
+    agentcredit sft recipes/trl/minigrid_gigpo.yaml --out runs/teacher/minigrid [--steps 60] [key=value ...]
+
+The teacher must score the student's tokens, so it is the recipe's own model (same tokenizer) fine-tuned on the
+recipe's own turn format: for ``--episodes`` training seeds (drawn from ``agentcredit.train_seeds`` past the ones a
+run uses first, never an eval seed) the env's scripted expert (``env.expert_actions()``: the moves that start a
+shortest path; one drawn at random when several tie) plays an episode; every turn becomes one example, prompt = the
+rollout's Markovian prompt with the forced ``<action>`` (exactly what :class:`env_adapters.trl.TurnRollout` feeds
+the model), target = ``"{action}</action>"``. Cross-entropy on the target tokens only, AdamW, the recipe's
+``freeze_layers`` / dtype. The checkpoint (weights, tokenizer, ``sft_summary.json``) goes to ``--out``; the
+held-out evaluation of the recipe (same seeds, temperature) runs on it, so its success is the ceiling that the
+distillation benchmark reports.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from .recipe import Recipe, RecipeError
+
+__all__ = ["expert_turns", "run_sft"]
+
+
+def expert_turns(recipe: Recipe, tokenizer, seeds: list[int], rng: random.Random) -> list[tuple[list[int], list[int]]]:
+    """``(prompt_ids, target_ids)`` of every turn of one expert episode per seed, in the rollout's format."""
+    import env_adapters
+    from env_adapters.prompting import build_prompt
+    from env_adapters.trl import _STOP, _chat_text, _legal, compact_prompt
+
+    ac = recipe.agentcredit
+    env = env_adapters.make(ac.env, **dict(ac.env_options))
+    if not callable(getattr(env, "expert_actions", None)):
+        raise RecipeError(f"agentcredit.env={ac.env!r} has no scripted expert (expert_actions()); agentcredit sft "
+                          f"needs one (MiniGrid with moves=absolute has it)")
+    rows = []
+    for seed in seeds:
+        obs = env.reset(seed)
+        history: list[tuple[str, str | None]] = []
+        for _ in range(ac.max_turns):
+            moves = env.expert_actions()
+            if not moves:
+                break
+            action = rng.choice(moves)
+            task, legal = getattr(env, "task", ""), _legal(env)
+            user = (compact_prompt(task, obs, legal) if ac.prompt == "compact"
+                    else build_prompt(task, history, obs, legal, ac.history_length))
+            prompt = tokenizer(_chat_text(tokenizer, user, ac.system), add_special_tokens=False)["input_ids"]
+            target = tokenizer(f"{action}{_STOP}", add_special_tokens=False)["input_ids"]
+            rows.append((prompt, target))
+            history.append((obs, action))
+            res = env.step(action)
+            obs = res.observation
+            if res.done:
+                break
+    return rows
+
+
+def _batches(rows, batch_size: int, steps: int, rng: random.Random, pad: int):
+    import torch
+
+    order: list[int] = []
+    for _ in range(steps):
+        if len(order) < batch_size:
+            fresh = list(range(len(rows)))
+            rng.shuffle(fresh)
+            order += fresh
+        idx, order = order[:batch_size], order[batch_size:]
+        width = max(len(rows[i][0]) + len(rows[i][1]) for i in idx)
+        ids = torch.full((len(idx), width), pad)
+        att = torch.zeros((len(idx), width), dtype=torch.long)
+        labels = torch.full((len(idx), width), -100)
+        for r, i in enumerate(idx):
+            p, c = rows[i]
+            ids[r, :len(p) + len(c)] = torch.tensor(p + c)
+            att[r, :len(p) + len(c)] = 1
+            labels[r, len(p):len(p) + len(c)] = torch.tensor(c)
+        yield ids, att, labels
+
+
+def run_sft(recipe: Recipe, out: str, episodes: int = 256, steps: int = 60, batch_size: int = 32,
+            learning_rate: float = 5e-5, seed: int = 0, eval: bool = True) -> dict[str, Any]:  # noqa: A002
+    """Fine-tune the recipe's model on expert turns and save it to ``out``; returns the summary (also written to
+    ``out/sft_summary.json``)."""
+    import torch
+
+    from . import train
+
+    t0 = time.time()
+    ac = recipe.agentcredit
+    lo, hi = ac.train_seeds
+    e_lo, e_hi = ac.eval.seeds if ac.eval is not None else (0, 0)
+    rng = random.Random(seed)
+    pool = [s for s in range(hi - 1, lo - 1, -1) if not e_lo <= s < e_hi][:max(episodes * 4, episodes)]
+    seeds = rng.sample(pool, episodes)  # from the top of the range: train_seeds() samples the whole range
+    model_path, tokenizer, model = train._load_model(recipe)
+    model, trainable, total = train._adapt_model(model, recipe)
+    rows = expert_turns(recipe, tokenizer, seeds, rng)
+    if not rows:
+        raise RecipeError("the scripted expert produced no turns (are the seeds' episodes already solved?)")
+    use_bf16 = bool(recipe.trl_args.get("bf16", False))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=learning_rate)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    print(f"agentcredit sft: {len(rows)} expert turns from {episodes} episodes | model {model_path} | "
+          f"{trainable:,} of {total:,} parameters trainable | {steps} steps x {batch_size}", flush=True)
+    model.train()
+    log = []
+    for step, (ids, att, labels) in enumerate(_batches(rows, batch_size, steps, rng, pad), start=1):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
+            loss = model(input_ids=ids, attention_mask=att, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        log.append(float(loss))
+        if step == 1 or step % 10 == 0 or step == steps:
+            print(f"  step {step:4d}  loss {float(loss):.4f}  {time.time() - t0:6.0f} s", flush=True)
+    model.eval()
+    target = Path(out)
+    target.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    result = None
+    if eval and ac.eval is not None:
+        result = train._evaluate(train.load_bridge(), model, tokenizer, recipe)
+        print(f"teacher held-out: success {result.success_rate:.1%} [{result.success_ci[0]:.1%}, "
+              f"{result.success_ci[1]:.1%}] on {result.n_episodes} seeds, valid {result.valid_rate:.1%}", flush=True)
+    summary = {"recipe": recipe.path, "overrides": list(recipe.overrides), "model": model_path, "out": str(target),
+               "episodes": episodes, "turns": len(rows), "steps": steps, "batch_size": batch_size,
+               "learning_rate": learning_rate, "loss_first": log[0], "loss_last": log[-1],
+               "seconds": round(time.time() - t0, 1), "eval": train._as_dict(result)}
+    (target / "sft_summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    print(str(target), flush=True)
+    return summary
