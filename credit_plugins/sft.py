@@ -116,9 +116,9 @@ def run_sft(recipe: Recipe, out: str, episodes: int = 256, steps: int = 60, batc
         opt.zero_grad()
         loss.backward()
         opt.step()
-        log.append(float(loss))
+        log.append(loss.item())
         if step == 1 or step % 10 == 0 or step == steps:
-            print(f"  step {step:4d}  loss {float(loss):.4f}  {time.time() - t0:6.0f} s", flush=True)
+            print(f"  step {step:4d}  loss {log[-1]:.4f}  {time.time() - t0:6.0f} s", flush=True)
     model.eval()
     target = Path(out)
     target.mkdir(parents=True, exist_ok=True)
