@@ -29,3 +29,15 @@ def transfer_queue():
     tq.close()
     if started_ray:
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """The tiny model is overhead-bound: one torch thread is many times faster than two on a shared 2-core box.
+    A module opts in with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

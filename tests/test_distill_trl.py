@@ -15,12 +15,7 @@ from distill_plugins.trl import DistillMixin, check_same_vocabulary  # noqa: E40
 from tests.trl_runs import losses, train_plain  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

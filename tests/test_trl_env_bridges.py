@@ -121,13 +121,7 @@ def test_import_env_adapters_does_not_import_the_trl_bridge():
 
 
 # ---- the tiny model, warm-started to answer actions ---------------------------------------------------------------
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model is overhead-bound: one torch thread is many times faster than two on a shared 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
