@@ -45,6 +45,10 @@ __all__ = ["Recipe", "AgentCreditConfig", "EvalConfig", "RecipeError", "load_rec
            "BRIDGES", "PROMPT_STYLES", "parse_overrides", "apply_overrides", "check_seed_budget"]
 
 BRIDGES = ("rollout_func", "environment_factory")
+#: ``agentcredit.rollout``: what the rollout_func bridge plays (env_adapters.trl / env_adapters.trl_search)
+ROLLOUTS = {"turns": "TurnRollout", "counterfactual": "CounterfactualRollout", "tree": "TreeRollout"}
+#: the rollout an estimator's extras come from (by a field it requires)
+_ROLLOUT_OF_FIELD = {"legal_p": "counterfactual", "parent": "tree"}
 PROMPT_STYLES = ("compact", "verl-agent")
 _LORA_KEYS = {"r": "r", "alpha": "lora_alpha", "dropout": "lora_dropout", "target_modules": "target_modules",
               "bias": "bias", "modules_to_save": "modules_to_save", "use_rslora": "use_rslora", "use_dora": "use_dora"}
@@ -79,6 +83,8 @@ class AgentCreditConfig:
     env: str = "minigrid"
     env_options: dict[str, Any] = field(default_factory=dict)
     bridge: str = "rollout_func"
+    rollout: str = "turns"     # turns | counterfactual (ASCT) | tree (SIPO, AT²PO, TreeRL)
+    rollout_options: dict[str, Any] = field(default_factory=dict)  # the rollout class's keyword arguments
     max_turns: int = 6
     groups_per_step: int = 4
     episodes_per_group: int = 8
@@ -334,7 +340,7 @@ def _agentcredit(block: Any, model_args: dict[str, Any], build_env: bool) -> Age
         raise RecipeError(f"agentcredit.eval must be a mapping (seeds, temperature, greedy, before, after, "
                           f"batch_size) or null, got {ev!r}")
     ac = AgentCreditConfig(**values, eval=eval_cfg)
-    for key in ("env_options", "credit_params"):
+    for key in ("env_options", "credit_params", "rollout_options"):
         if getattr(ac, key) is None:
             setattr(ac, key, {})
         if not isinstance(getattr(ac, key), dict):
@@ -361,6 +367,7 @@ def _agentcredit(block: Any, model_args: dict[str, Any], build_env: bool) -> Age
     if ac.credit not in estimators:
         raise RecipeError(f"agentcredit.credit={ac.credit!r} is not a registered estimator"
                           f"{_suggest(ac.credit, estimators)}; available: {', '.join(estimators)}")
+    _check_rollout(ac, registry.get(ac.credit))
     try:
         registry.get(ac.credit).make_params(**ac.credit_params)
     except (ValueError, TypeError) as e:
@@ -416,10 +423,58 @@ def _agentcredit(block: Any, model_args: dict[str, Any], build_env: bool) -> Age
     return ac
 
 
+def rollout_class(name: str) -> type:
+    """The rollout_func class of ``agentcredit.rollout``."""
+    import importlib
+
+    module = "env_adapters.trl" if name == "turns" else "env_adapters.trl_search"
+    return getattr(importlib.import_module(module), ROLLOUTS[name])
+
+
+def _rollout_defaults(name: str) -> dict[str, Any]:
+    import inspect
+
+    cls = rollout_class(name)
+    own = {} if name == "turns" else {n: p.default for n, p in inspect.signature(cls.__init__).parameters.items()
+                                      if p.kind == p.KEYWORD_ONLY}
+    return own
+
+
+def _check_rollout(ac: AgentCreditConfig, estimator) -> None:
+    if ac.rollout not in ROLLOUTS:
+        raise RecipeError(f"agentcredit.rollout={ac.rollout!r} is not a rollout{_suggest(ac.rollout, ROLLOUTS)}; "
+                          f"valid: {', '.join(ROLLOUTS)} (turns: one row per turn; counterfactual: + ASCT's "
+                          f"decision table; tree: SIPO/AT²PO/TreeRL search trees)")
+    if ac.rollout != "turns" and ac.bridge != "rollout_func":
+        raise RecipeError(f"agentcredit.rollout={ac.rollout!r} needs agentcredit.bridge: rollout_func")
+    valid = _rollout_defaults(ac.rollout)
+    for key in ac.rollout_options:
+        if key not in valid:
+            raise _unknown_key(f"agentcredit.rollout_options (rollout {ac.rollout!r})", key, valid)
+    need = {_ROLLOUT_OF_FIELD[f] for f in estimator.requires if f in _ROLLOUT_OF_FIELD}
+    if need and ac.rollout not in need:
+        raise RecipeError(f"agentcredit.credit={ac.credit!r} reads the extras of the {sorted(need)[0]!r} rollout; set "
+                          f"agentcredit.rollout: {sorted(need)[0]}")
+    if not need and ac.rollout == "tree":
+        raise RecipeError(f"agentcredit.rollout: tree makes one row per tree node, which only tree estimators (sipo, "
+                          f"at2po, treerl) read; agentcredit.credit={ac.credit!r} needs rollout: turns")
+
+
+def tree_rows(ac: AgentCreditConfig) -> int:
+    """Rows of the largest tree of ``agentcredit.rollout: tree``: (initial + iterations*beam*branches) * max_turns."""
+    o = {**_rollout_defaults("tree"), **ac.rollout_options}
+    return (int(o["initial"]) + int(o["iterations"]) * int(o["beam"]) * int(o["branches"])) * ac.max_turns
+
+
 # ---- TRL batch geometry ----------------------------------------------------------------------------------------------
 def _derive_geometry(trl_args: dict[str, Any], ac: AgentCreditConfig) -> None:
     E, T, P = ac.episodes_per_group, ac.max_turns, ac.groups_per_step
-    if ac.bridge == "rollout_func":
+    if ac.bridge == "rollout_func" and ac.rollout == "tree":
+        G = tree_rows(ac)
+        why = ("the tree rollout makes one row per node: num_generations = (initial + iterations * beam * branches) "
+               f"* max_turns, the largest tree")
+        trl_args.setdefault("max_completion_length", ac.max_new_tokens)
+    elif ac.bridge == "rollout_func":
         G = E * T
         why = (f"the rollout_func bridge makes one row per turn: num_generations = episodes_per_group * max_turns "
                f"= {E} * {T}")

@@ -223,9 +223,12 @@ def run(recipe: Recipe, max_steps: int | None = None, eval: bool = True) -> RunR
 
     # environment bridge
     if ac.bridge == "rollout_func":
-        rollout = bridge.TurnRollout(env=ac.env, env_options=dict(ac.env_options), max_turns=ac.max_turns,
-                                     max_new_tokens=ac.max_new_tokens, prompt=ac.prompt,
-                                     history_length=ac.history_length, system=ac.system)
+        from .recipe import rollout_class
+
+        rollout = rollout_class(ac.rollout)(env=ac.env, env_options=dict(ac.env_options), max_turns=ac.max_turns,
+                                            max_new_tokens=ac.max_new_tokens, prompt=ac.prompt,
+                                            history_length=ac.history_length, system=ac.system,
+                                            **dict(ac.rollout_options))
         dataset = rollout.dataset(seeds)
         bridge_kwargs: dict[str, Any] = {"rollout_func": rollout, "reward_funcs": [rollout.reward_func]}
     else:

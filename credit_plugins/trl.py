@@ -50,6 +50,7 @@ import inspect
 import logging
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -119,7 +120,7 @@ def turn_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
 
 def _step_rows_per_turn(inputs: list[dict], rewards: torch.Tensor) -> list[tuple]:
     """Rows of a one-row-per-turn rollout: ``(row, turn, traj, t, state, action, reward, success, truncated,
-    valid)``; padding rows (traj -1) and unscorable rows (NaN reward) are left out."""
+    valid, extras)``; padding rows (traj -1) and unscorable rows (NaN reward) are left out."""
     out = []
     for i, row in enumerate(inputs):
         traj = int(row["agentcredit_traj"])
@@ -128,7 +129,8 @@ def _step_rows_per_turn(inputs: list[dict], rewards: torch.Tensor) -> list[tuple
             continue
         out.append((i, 0, traj, int(row["agentcredit_t"]), int(row["agentcredit_state"]),
                     int(row["agentcredit_action"]), r, bool(row["agentcredit_success"]),
-                    bool(row["agentcredit_truncated"]), bool(row.get("agentcredit_valid", True))))
+                    bool(row["agentcredit_truncated"]), bool(row.get("agentcredit_valid", True)),
+                    dict(row.get("agentcredit_extras") or {})))
     return out
 
 
@@ -153,15 +155,50 @@ def _step_rows_from_envs(envs: list, rewards: torch.Tensor, n_turns: list[int]) 
         steps[-1][3] += r_row - sum(s[3] for s in steps)  # other reward functions' share lands on the last step
         success = bool(getattr(env, "agentcredit_success", False))
         truncated = not bool(getattr(env, "agentcredit_done", False))
-        out.extend((i, k, i, k, state, action, reward, success, truncated, valid)
+        out.extend((i, k, i, k, state, action, reward, success, truncated, valid, {})
                    for k, state, action, reward, valid in steps)
     return out
 
 
 def _step_rows_plain(prompts: list, rewards: torch.Tensor) -> list[tuple]:
     """One step per row: reward = the row's TRL reward, state = the prompt (NaN rows left out)."""
-    return [(i, 0, i, 0, stable_hash(repr(p)), -1, float(rewards[i]), float(rewards[i]) > 0, False, True)
+    return [(i, 0, i, 0, stable_hash(repr(p)), -1, float(rewards[i]), float(rewards[i]) > 0, False, True, {})
             for i, p in enumerate(prompts) if float(rewards[i]) == float(rewards[i])]
+
+
+#: extras holding node ids (``traj`` values of other rows): they get the same per-rank offset as ``traj``
+ID_EXTRAS = ("parent",)
+
+
+def _row_extras(per_row: Sequence[dict], rank_offsets: Sequence[int]) -> dict[str, torch.Tensor]:
+    """StepTable extras from the rollout rows' ``agentcredit_extras`` dicts: a scalar per row becomes ``[S]``, a
+    list per row ``[S, A]`` (right-padded with 0 / False to the longest; bool, int64 or float64 as the values are).
+    Every row must carry the same names."""
+    names = sorted({k for d in per_row for k in d})
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        missing = sum(name not in d for d in per_row)
+        if missing:
+            raise ValueError(f"agentcredit_extras[{name!r}] is missing on {missing} of {len(per_row)} step rows; the "
+                             f"rollout must give every row the same extras")
+        values = [d[name] for d in per_row]
+        if isinstance(values[0], (list, tuple)):
+            width = max((len(v) for v in values), default=0)
+            flat = [x for v in values for x in v]
+            dtype = (torch.bool if all(isinstance(x, bool) for x in flat) else
+                     torch.int64 if all(isinstance(x, int) for x in flat) else torch.float64)
+            col = torch.zeros(len(values), width, dtype=dtype)
+            for i, v in enumerate(values):
+                if len(v):
+                    col[i, :len(v)] = torch.tensor(list(v), dtype=dtype)
+            out[name] = col
+        else:
+            col = torch.tensor(values)
+            if name in ID_EXTRAS:
+                off = torch.tensor(list(rank_offsets), dtype=torch.int64)
+                col = torch.where(col >= 0, col.long() + off, col.long())
+            out[name] = col
+    return out
 
 
 class CreditMixin:
@@ -228,24 +265,56 @@ class CreditMixin:
         advantages = torch.zeros(mask.shape, dtype=torch.float32)
         if all_rows:
             cols = list(zip(*all_rows))
+            extras = _row_extras(cols[12], rank_offsets=[r[0] * (1 << 32) for r in all_rows])
             steps = StepTable(group=list(cols[3]), traj=list(cols[4]), t=list(cols[5]), state=list(cols[6]),
                               action=list(cols[7]), reward=list(cols[8]), success=list(cols[9]),
-                              truncated=list(cols[10]))
-            adv = self._agentcredit(steps).to(torch.float32)
-            if adv.dim() != 1:
-                raise ValueError(f"estimator {self.credit!r} returned shape {tuple(adv.shape)}; the TRL bridge "
-                                 "takes per-step [S] advantages")
+                              truncated=list(cols[10]), extras=extras or None)
             mine = torch.tensor([r[0] == rank for r in all_rows])
             local_row = torch.tensor([r[1] - rank * n_local for r in all_rows])[mine]
             local_turn = torch.tensor([r[2] for r in all_rows])[mine]
-            n_turns = int(turn_ids.max().item()) + 1 if turn_ids.numel() else 0
-            table = torch.zeros(mask.size(0), max(n_turns, int(local_turn.max()) + 1 if len(local_turn) else 1))
-            table[local_row, local_turn] = adv[mine]
-            in_turn = turn_ids >= 0
-            advantages = torch.where(in_turn, table.gather(1, turn_ids.clamp(min=0)), advantages)
+            estimator = registry.get(self.credit)
+            if "lp_teacher" in estimator.requires:
+                steps = self._agentcredit_hindsight(output, steps, local_row, extras, local_inputs, mode)
+            adv = self._agentcredit(steps).to(torch.float32)
+            if adv.dim() == 2:  # per token: each step row is one whole completion row (one-row-per-turn)
+                if adv.size(1) != mask.size(1):
+                    raise ValueError(f"estimator {self.credit!r} returned {adv.size(1)} token columns for "
+                                     f"completions of {mask.size(1)} tokens")
+                advantages[local_row] = adv[mine] * mask[local_row]
+            elif adv.dim() != 1:
+                raise ValueError(f"estimator {self.credit!r} returned shape {tuple(adv.shape)}; the TRL bridge "
+                                 "takes per-step [S] or per-token [S, T] advantages")
+            else:
+                n_turns = int(turn_ids.max().item()) + 1 if turn_ids.numel() else 0
+                table = torch.zeros(mask.size(0), max(n_turns, int(local_turn.max()) + 1 if len(local_turn) else 1))
+                table[local_row, local_turn] = adv[mine]
+                in_turn = turn_ids >= 0
+                advantages = torch.where(in_turn, table.gather(1, turn_ids.clamp(min=0)), advantages)
             self._agentcredit_log(mode, steps, adv, cols[11], time.perf_counter() - started)
         output["advantages"] = advantages.to(output["completion_ids"].device)
         return output
+
+    def _agentcredit_hindsight(self, output, steps: StepTable, local_row: torch.Tensor, extras: dict, local_inputs,
+                               mode: str) -> StepTable:
+        """``steps`` with the token-level hindsight extras (:mod:`credit_plugins.privileged`) of UniOPSD/AlignOPSD."""
+        from .privileged import hindsight_extras
+
+        if self.accelerator.num_processes > 1:
+            raise ValueError(f"estimator {self.credit!r} scores hindsight prompts of a trajectory's successful "
+                             f"sibling; the TRL bridge does this in one process only (run without torchrun/accelerate "
+                             f"launch, or use a step-level estimator)")
+        if not (local_inputs and "agentcredit_traj" in local_inputs[0]):
+            raise ValueError(f"estimator {self.credit!r} needs the one-row-per-turn layout: use "
+                             f"rollout_func=env_adapters.trl.TurnRollout (recipes: agentcredit.rollout: turns)")
+        params = getattr(self._agentcredit, "params", None)
+        token = hindsight_extras(self, output, steps, local_row.tolist(), self.credit, params)
+        stats = token.pop("_stats")
+        for k, v in stats.items():
+            self._metrics[mode][f"agentcredit/hindsight_{k}"].append(float(v))
+        inv = steps.inverse
+        return StepTable(group=steps.group[inv], traj=steps.traj[inv], t=steps.t[inv], state=steps.state[inv],
+                         action=steps.action[inv], reward=steps.reward[inv], success=steps.success[inv],
+                         truncated=steps.truncated[inv], extras={**extras, **token})
 
     def _agentcredit_gather(self, rows: list[tuple]) -> list[tuple]:
         if self.accelerator.num_processes == 1:
@@ -265,6 +334,9 @@ class CreditMixin:
         m["agentcredit/adv_std"].append(adv.std().item() if adv.numel() > 1 else 0.0)
         m["agentcredit/adv_abs_max"].append(adv.abs().max().item())
         m["agentcredit/estimator_seconds"].append(seconds)
+        for k, v in (getattr(self._agentcredit, "stats", None) or {}).items():
+            if isinstance(v, (int, float)) and v == v:
+                m[f"agentcredit/{k}"].append(float(v))
 
     # -- stateful estimators survive checkpoint and resume --------------------------------------------------------
     def _save_checkpoint(self, model, trial):

@@ -88,6 +88,7 @@ class TurnRecord:
     action: int               # stable_hash(action_key), -1 when invalid
     reward: float
     valid: bool
+    extras: dict[str, Any] = field(default_factory=dict)  # per-row StepTable extras (``agentcredit_extras``)
 
 
 @dataclass
@@ -155,12 +156,15 @@ def _generate(model, tokenizer, prompts: list[list[int]], gen_config, eos: set[i
 def play_episodes(model, tokenizer, specs: Sequence[tuple[Any, int | None]], *, max_turns: int = 6,
                   max_new_tokens: int = 8, temperature: float = 0.7, top_p: float = 1.0, top_k: int = 0,
                   min_p: float | None = None, greedy: bool = False, prompt: str = "compact",
-                  history_length: int = 0, system: str | None = None, batch_size: int = 64) -> list[Episode]:
+                  history_length: int = 0, system: str | None = None, batch_size: int = 64,
+                  before_step=None) -> list[Episode]:
     """Play one episode per ``(env, seed)`` in ``specs`` (distinct env instances), all of them batched turn by turn.
 
     Each turn the prompts of all running episodes are generated together (``model.generate``, left padding, stop at
     ``</action>`` or EOS), in fp32 with autocast off and the model in eval mode (its mode is restored afterwards).
     An episode ends when the env says ``done`` or after ``max_turns`` steps (then it is ``truncated``).
+    ``before_step(envs, prompt_ids, action_texts) -> list[dict]``, called once per turn with the running episodes'
+    envs (at the decision state), prompts and parsed actions before they act, returns each turn's ``extras``.
     """
     if prompt not in ("compact", "verl-agent"):
         raise ValueError(f"prompt={prompt!r}; choose 'compact' or 'verl-agent'")
@@ -202,8 +206,12 @@ def play_episodes(model, tokenizer, specs: Sequence[tuple[Any, int | None]], *, 
                     texts.append(_chat_text(tokenizer, user, system))
                 prompt_ids = [tokenizer(x, add_special_tokens=False)["input_ids"] for x in texts]
                 outs = _generate(model, tokenizer, prompt_ids, gen_config, set(eos), pad, batch_size)
+                turn_extras = [{} for _ in live]
+                if before_step is not None:
+                    turn_extras = before_step([specs[i][0] for i in live], prompt_ids,
+                                              [parse_action(ACTION_PREFIX + text) for _, text in outs])
                 still = []
-                for i, p_ids, (c_ids, text) in zip(live, prompt_ids, outs):
+                for i, p_ids, (c_ids, text), extras in zip(live, prompt_ids, outs, turn_extras):
                     env = specs[i][0]
                     state = stable_hash(env.state_key())
                     response = ACTION_PREFIX + text
@@ -214,7 +222,7 @@ def play_episodes(model, tokenizer, specs: Sequence[tuple[Any, int | None]], *, 
                         t=t, prompt_ids=list(p_ids), completion_ids=list(c_ids), response=response,
                         action_text=action_text, action_key=key, state=state,
                         action=-1 if key is None else stable_hash(key), reward=float(res.reward),
-                        valid=key is not None))
+                        valid=key is not None, extras=dict(extras)))
                     history[i].append((obs[i], key))
                     obs[i] = res.observation
                     if res.done:
@@ -337,12 +345,20 @@ class TurnRollout:
             model, tok, specs, max_turns=self.max_turns, max_new_tokens=max_new,
             temperature=float(getattr(args, "temperature", 1.0) or 1.0), top_p=float(getattr(args, "top_p", 1.0)),
             top_k=int(getattr(args, "top_k", 0) or 0), min_p=getattr(args, "min_p", None), prompt=self.prompt,
-            history_length=self.history_length, system=self.system, batch_size=self.batch_size)
+            history_length=self.history_length, system=self.system, batch_size=self.batch_size,
+            before_step=self._before_step(model, tok, trainer))
         eos = tok.eos_token_id
         out: dict[str, Any] = {"prompt_ids": [], "completion_ids": [], "logprobs": None, "env_mask": []}
         out.update({k: [] for k in self.FIELDS})
 
-        def row(p, c, m, traj, t, state, action, reward, success, truncated, valid):
+        with_extras = any(tr.extras for ep in episodes for tr in ep.turns)
+        if with_extras:
+            out["agentcredit_extras"] = []
+        pad_extras = next((dict.fromkeys(tr.extras, 0) for ep in episodes for tr in ep.turns if tr.extras), {})
+
+        def row(p, c, m, traj, t, state, action, reward, success, truncated, valid, extras=None):
+            if with_extras:
+                out["agentcredit_extras"].append(extras if extras is not None else pad_extras)
             out["prompt_ids"].append(p)
             out["completion_ids"].append(c)
             out["env_mask"].append(m)
@@ -356,13 +372,17 @@ class TurnRollout:
                 for tr in ep.turns:
                     row(tr.prompt_ids, tr.completion_ids, [1] * len(tr.completion_ids), b * E + e, tr.t,
                         int(tr.state), int(tr.action), float(tr.reward), bool(ep.success), bool(ep.truncated),
-                        bool(tr.valid))
+                        bool(tr.valid), tr.extras)
                     n += 1
             for _ in range(G - n):
                 row([eos], [eos], [0], -1, 0, 0, -1, 0.0, False, False, False)
         self.last_episodes = episodes
         self._metrics = {**_stats(episodes), "rollout_seconds": time.perf_counter() - t0}
         return out
+
+    def _before_step(self, model, tokenizer, trainer):
+        """The per-turn hook of :func:`play_episodes` (None here; subclasses add per-row extras)."""
+        return None
 
     def env_reward(self, prompts=None, completions=None, completion_ids=None, agentcredit_reward=None,
                    **kwargs) -> list[float]:

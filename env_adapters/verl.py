@@ -165,6 +165,11 @@ class EnvAgentLoop(AgentLoopBase):
             priority=priority,
         )
 
+    def step_extras(self, env, action_text: str | None) -> dict[str, Any]:
+        """Extra ``extra_fields`` of one step, computed at the decision state before the env acts (none here;
+        ``env_adapters.verl_search.CounterfactualAgentLoop`` adds ASCT's decision table)."""
+        return {}
+
     def _filler_token(self) -> int:
         for tid in (self.tokenizer.eos_token_id, self.tokenizer.pad_token_id):
             if isinstance(tid, int):
@@ -208,6 +213,7 @@ class EnvAgentLoop(AgentLoopBase):
 
             action_text = parse_action(text)
             action_key = env.action_key(action_text) if action_text is not None else None
+            more = self.step_extras(env, action_text)
             result = env.step(action_text)
             steps.append(dict(
                 prompt_ids=prompt_ids, response_ids=response_ids[: self.response_length],
@@ -215,7 +221,7 @@ class EnvAgentLoop(AgentLoopBase):
                 response_logprobs=response_logprobs[: self.response_length] if response_logprobs else None,
                 metrics=metrics, server_extra=dict(out.extra_fields or {}),
                 extra={"step_idx": t, "anchor_key": anchor, "action_key": action_key,
-                       "step_reward": float(result.reward), "valid": action_key is not None}))
+                       "step_reward": float(result.reward), "valid": action_key is not None, **more}))
             history.append((observation, action_key))
             observation = result.observation
             if result.done:

@@ -11,6 +11,7 @@ plugin appends verl's config folder so ``ppo_trainer`` is still found).
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import subprocess
 import sys
@@ -34,7 +35,8 @@ HYDRA_KEYS = {"defaults", "hydra"}
 
 
 def test_there_are_recipes():
-    assert {"sokoban_gigpo", "sokoban_graphhca", "alfworld_gigpo", "alfworld_graphhca"} <= set(NAMES)
+    assert {"sokoban_gigpo", "sokoban_graphhca", "alfworld_gigpo", "alfworld_graphhca", "sokoban_asct",
+            "sokoban_sipo"} <= set(NAMES)
 
 
 def _compose(name: str, config_dir: Path = RECIPES):
@@ -65,6 +67,16 @@ def _leaves(node, prefix=""):
                 yield path, value
     else:
         yield prefix, node
+
+
+#: the agent loop (name, class, rollout.n) of the recipes whose estimator needs a search rollout
+SEARCH_LOOPS = {"asct": ("agentcredit_counterfactual", "env_adapters.verl_search.CounterfactualAgentLoop", 8),
+                "sipo": ("agentcredit_tree", "env_adapters.verl_search.TreeAgentLoop", 1)}
+DEFAULT_LOOP = ("agentcredit_env", "env_adapters.verl.EnvAgentLoop", 8)
+
+
+def _loop_of(name: str) -> tuple[str, str, int]:
+    return SEARCH_LOOPS.get(_expected_estimator(name), DEFAULT_LOOP)
 
 
 def _expected_estimator(name: str) -> str:
@@ -108,8 +120,9 @@ def test_recipe_composes_and_resolves(name, composed):
         assert cfg.reward.reward_model.enable is False
     container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)  # every interpolation resolves
     rollout = container["actor_rollout_ref"]["rollout"]
-    assert rollout["name"] == "vllm" and rollout["n"] == 8
-    assert rollout["agent"]["default_agent_loop"] == "agentcredit_env"
+    loop, _, n = _loop_of(name)
+    assert rollout["name"] == "vllm" and rollout["n"] == n
+    assert rollout["agent"]["default_agent_loop"] == loop
     assert rollout["prompt_length"] == 2048 and rollout["response_length"] == 512
     assert rollout["val_kwargs"]["temperature"] == 0.4 and rollout["temperature"] == 1.0
     actor = container["actor_rollout_ref"]["actor"]
@@ -122,7 +135,7 @@ def test_recipe_composes_and_resolves(name, composed):
     assert trainer["test_freq"] == 5 and trainer["total_training_steps"] == 150
     env = _env_of(name)
     for key in ("train_files", "val_files"):
-        assert f"agentcredit/{env}/" in container["data"][key]
+        assert f"agentcredit/{env}" in container["data"][key]
     assert container["actor_rollout_ref"]["model"]["path"]
 
 
@@ -150,11 +163,13 @@ def test_agent_loop_config(name, composed):
     assert path.is_file(), f"{name}: agent-loop config {path} missing"
     entries = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     assert isinstance(entries, list)
-    (entry,) = [e for e in entries if e["name"] == "agentcredit_env"]
-    assert entry["_target_"] == "env_adapters.verl.EnvAgentLoop"
-    from env_adapters.verl import EnvAgentLoop
-
-    loop_params = inspect.signature(EnvAgentLoop.__init__).parameters
+    loop, target, _ = _loop_of(name)
+    (entry,) = [e for e in entries if e["name"] == loop]
+    assert entry["_target_"] == target
+    module, cls = target.rsplit(".", 1)
+    loop_cls = getattr(importlib.import_module(module), cls)
+    loop_params = {**inspect.signature(loop_cls.__init__).parameters,
+                   **inspect.signature(loop_cls.__mro__[1].__init__).parameters}
     extra = set(entry) - {"name", "_target_"}
     assert extra <= set(loop_params), f"options EnvAgentLoop does not take: {extra - set(loop_params)}"
     assert entry["env_name"] == _env_of(name) and entry["env_name"] in env_adapters.available()

@@ -5,9 +5,9 @@ One file per method (``grpo.py``, ``gigpo.py``, ...), each holding its params da
 """
 
 from ..hookspecs import hookimpl
-from . import crbc, gigpo, graphhca, grpo, mvpo
+from . import asct, crbc, gigpo, graphhca, grpo, mvpo
 
-BUILTIN = (grpo.ESTIMATOR, gigpo.ESTIMATOR, mvpo.ESTIMATOR, graphhca.ESTIMATOR, crbc.ESTIMATOR)
+BUILTIN = (grpo.ESTIMATOR, gigpo.ESTIMATOR, mvpo.ESTIMATOR, graphhca.ESTIMATOR, crbc.ESTIMATOR, asct.ESTIMATOR)
 
 
 @hookimpl

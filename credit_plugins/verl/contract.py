@@ -103,8 +103,17 @@ def missing_fields_message(estimator: str, missing: Sequence[str]) -> str:
             f"parsed_action}}). env_adapters' agent loop does this; see credit_plugins.verl.contract")
 
 
-def _extra_column(values: list[Any]) -> Any:
-    """A per-row list as a StepTable extras column: lists of numbers (milestones) become a 2-D array."""
+#: extras that name another row by its ``traj_uid`` (a tree node's ``parent``; None = no such row)
+ID_EXTRAS = ("parent",)
+
+
+def _extra_column(values: list[Any], name: str = "") -> Any:
+    """A per-row list as a StepTable extras column: lists of numbers (milestones) become a 2-D array; an id column
+    (:data:`ID_EXTRAS`) becomes the int64 keys the StepTable gives the named rows' ``traj`` (None: -1)."""
+    if name in ID_EXTRAS:
+        from ..hashing import stable_hash
+
+        return np.asarray([-1 if v is None else stable_hash(str(v)) for v in values], dtype=np.int64)
     if values and isinstance(values[0], (list, tuple)):
         return np.asarray(values, dtype=np.float64)
     return values
@@ -141,6 +150,6 @@ def build_step_table(meta: RowMeta, token_level_rewards: torch.Tensor, uid: Sequ
     steps = StepTable(
         group=[str(uid[i]) for i in keep], traj=[str(x) for x in traj], t=t, reward=reward,
         state=col(ANCHOR), action=col(ACTION), success=col(SUCCESS), truncated=col(TRUNCATED),
-        extras={e: _extra_column(col(e)) for e in extras} or None,
+        extras={e: _extra_column(col(e), e) for e in extras} or None,
     )
     return steps, keep

@@ -16,7 +16,7 @@ Columns (``env_adapters/verl.py`` documents what the loop reads):
     ability       "agent"
     reward_model  {"style": "env", "ground_truth": ""}      (unused: the loop returns the episode return as the score)
     extra_info    {"split", "index", "env_name", "seed"}
-    agent_name    "agentcredit_env"                         (verl picks the loop per row by this column)
+    agent_name    "agentcredit_env" (--agent-name)          (verl picks the loop per row by this column)
     env_name      the env_adapters name
     seed          distinct per row (train rows 0.., val rows start at --val-seed-offset)
     env_options   dict of the key=value options (only when some are given: parquet cannot store an empty struct;
@@ -48,7 +48,7 @@ def parse_options(items: list[str]) -> dict:
 
 
 def make_rows(env: str, n: int, split: str, seed0: int, options: dict, max_steps: int | None,
-              system: str | None) -> list[dict]:
+              system: str | None, agent_name: str = AGENT_NAME) -> list[dict]:
     rows = []
     for i in range(n):
         seed = seed0 + i
@@ -60,7 +60,7 @@ def make_rows(env: str, n: int, split: str, seed0: int, options: dict, max_steps
             "ability": "agent",
             "reward_model": {"style": "env", "ground_truth": ""},
             "extra_info": {"split": split, "index": i, "env_name": env, "seed": seed},
-            "agent_name": AGENT_NAME,
+            "agent_name": agent_name,
             "env_name": env,
             "seed": seed,
         }
@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--system", default=None, help="system message prepended to every turn")
     ap.add_argument("--val-options", nargs="*", default=[], metavar="KEY=VALUE",
                     help="env options of the val rows only, over the shared ones (e.g. split=valid_unseen)")
+    ap.add_argument("--agent-name", default=AGENT_NAME,
+                    help="agent loop of every row: agentcredit_env (default), agentcredit_counterfactual (ASCT) or "
+                         "agentcredit_tree (SIPO, AT2PO, TreeRL)")
     ap.add_argument("--check", action="store_true", help="build the env with the options and reset it once")
     ap.add_argument("options", nargs="*", metavar="KEY=VALUE", help="env options of every row")
     args = ap.parse_args(argv)
@@ -105,8 +108,10 @@ def main(argv: list[str] | None = None) -> int:
 
     out = os.path.expanduser(args.out)
     os.makedirs(out, exist_ok=True)
-    train = make_rows(args.env, args.train, "train", args.seed, options, args.max_steps, args.system)
-    val = make_rows(args.env, args.val, "val", args.val_seed_offset, val_options, args.max_steps, args.system)
+    train = make_rows(args.env, args.train, "train", args.seed, options, args.max_steps, args.system,
+                      args.agent_name)
+    val = make_rows(args.env, args.val, "val", args.val_seed_offset, val_options, args.max_steps, args.system,
+                    args.agent_name)
     write(train, os.path.join(out, "train.parquet"))
     write(val, os.path.join(out, "val.parquet"))
     print(f"wrote {len(train)} train / {len(val)} val {args.env} episodes to {out}", file=sys.stderr)
