@@ -132,8 +132,9 @@ def hindsight_extras(trainer, output: dict[str, Any], steps: StepTable, local_ro
         actions.setdefault(int(row_traj[j]), []).append((int(row_t[j]), act if act is not None else ""))
     prefix_of: dict[int, str] = {}
     for traj, p in enumerate(peer.tolist()):
-        if p >= 0:
-            prefix_of[traj] = peer_prefix([a for _, a in sorted(actions.get(p, []))])
+        prefix = peer_prefix([a for _, a in sorted(actions.get(p, []))]) if p >= 0 else ""
+        if prefix:  # a peer without a parseable action teaches nothing: the row stays untaught (delta = 0)
+            prefix_of[traj] = prefix
     taught = [j for j in range(len(rows)) if int(row_traj[j]) in prefix_of]
     teacher_prompts = list(student_prompts)
     grown = 0

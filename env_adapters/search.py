@@ -6,8 +6,10 @@
   non-leaf node and the root) by the host score ``H - alpha * b`` (``criterion="host"``) or SIPO's scale-free
   ``(H - mean_C H) / std_C H - lam * b`` (``"sfc"``), where ``H`` is the node's surprisal and ``b`` its number of
   existing siblings; write the ranking on every candidate (``sel_rank``, ``sel_ncand``, ``selected`` for the top
-  ``beam``); return ``branches`` fork starts per selected node. [R] The root, which no segment defines, has the mean
-  surprisal of its children; a selected root starts a new chain from the reset state.
+  ``beam``; the root's ranking goes into the ``root`` dict, written on every row of the tree as ``root_sel_rank``,
+  ``root_sel_ncand``, ``root_selected``); return ``branches`` fork starts per selected node. The root (the prompt),
+  which has no sampled segment, has entropy 0 as in the released SIPO code; a selected root starts a new chain from
+  the reset state.
 """
 
 from __future__ import annotations
@@ -17,7 +19,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["Node", "require_search_env", "fork_starts"]
+__all__ = ["Node", "require_search_env", "fork_starts", "new_root"]
+
+
+def new_root() -> dict[str, Any]:
+    """The virtual root's ranking record (never ranked yet)."""
+    return {"sel_rank": -1, "sel_ncand": 0, "selected": False}
 
 
 def require_search_env(env, who: str) -> None:
@@ -57,16 +64,15 @@ class Node:
     selected: bool = False
 
 
-def fork_starts(tree: list[Node], beam: int, branches: int, criterion: str, alpha: float,
-                lam: float) -> list[tuple[int, Any, int, float, bool]]:
-    """Rank the candidates of ``tree``, mark the ranking on them, and return the forks' starts
-    ``(parent, snapshot, depth, path_return, fresh=True)`` (``snapshot`` None: from the reset state)."""
+def fork_starts(tree: list[Node], beam: int, branches: int, criterion: str, alpha: float, lam: float,
+                root: dict[str, Any] | None = None) -> list[tuple[int, Any, int, float, bool]]:
+    """Rank the candidates of ``tree``, mark the ranking on them (the root's in ``root``), and return the forks'
+    starts ``(parent, snapshot, depth, path_return, fresh=True)`` (``snapshot`` None: from the reset state)."""
     from credit_plugins.estimators._tree import host_scores, select_top_k, sfc_scores
 
     cands = [-1] + [n.id for n in tree if not n.leaf]
     roots = [n for n in tree if n.parent == -1]
-    root_h = sum(n.surprisal for n in roots) / max(len(roots), 1)
-    ent = torch.tensor([root_h if c < 0 else tree[c].surprisal for c in cands], dtype=torch.float64)
+    ent = torch.tensor([0.0 if c < 0 else tree[c].surprisal for c in cands], dtype=torch.float64)
     sib = torch.tensor([len(roots) - 1 if c < 0 else
                         (len(tree[tree[c].parent].children) if tree[c].parent >= 0 else len(roots)) - 1
                         for c in cands], dtype=torch.float64)
@@ -75,11 +81,15 @@ def fork_starts(tree: list[Node], beam: int, branches: int, criterion: str, alph
     for c, r in zip(cands, ranks.tolist()):
         if c >= 0:
             tree[c].sel_rank, tree[c].sel_ncand, tree[c].selected = int(r), len(cands), False
+        elif root is not None:
+            root.update(sel_rank=int(r), sel_ncand=len(cands), selected=False)
     starts = []
     for k in picked.tolist():
         c = cands[k]
         if c >= 0:
             tree[c].selected = True
+        elif root is not None:
+            root["selected"] = True
         for _ in range(branches):
             if c < 0:
                 starts.append((-1, None, 0, 0.0, True))

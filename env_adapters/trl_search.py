@@ -21,9 +21,9 @@ rollout is built.
   selected root starts a new chain) that run to the end. Leaves = initial + iterations * beam * branches. One row
   per node (``agentcredit_traj`` = node id, ``agentcredit_t`` = 0), reward = the root-to-leaf return on leaves (0
   inside), extras ``parent``, ``surprisal`` (-mean log p of the node's sampled tokens at the sampling temperature),
-  ``fresh``, ``sel_rank``, ``sel_ncand``, ``selected``. ``num_generations`` must hold the largest tree:
-  ``(initial + iterations * beam * branches) * max_turns`` rows (the rest are padding rows). [R] The root's
-  entropy, which no segment defines, is the mean of its children's.
+  ``fresh``, ``sel_rank``, ``sel_ncand``, ``selected`` and the root's ``root_sel_rank``, ``root_sel_ncand``,
+  ``root_selected`` (the ranking: :func:`env_adapters.search.fork_starts`). ``num_generations`` must hold the largest tree:
+  ``(initial + iterations * beam * branches) * max_turns`` rows (the rest are padding rows).
 
 Extra rollouts per training step (reported by :meth:`metrics` as ``extra_env_steps`` / ``extra_generations``):
 ASCT adds ``budget`` env-only trials per decision (no generation) plus one scoring forward over the legal labels;
@@ -41,7 +41,7 @@ import torch
 from credit_plugins.hashing import stable_hash
 
 from .prompting import build_prompt, parse_action
-from .search import Node, fork_starts, require_search_env
+from .search import Node, fork_starts, new_root, require_search_env
 from .trl import ACTION_PREFIX, TurnRollout, _chat_text, _cut, _eos_ids, _legal, compact_prompt
 
 __all__ = ["CounterfactualRollout", "TreeRollout", "require_search_env"]
@@ -190,6 +190,7 @@ class TreeRollout(TurnRollout):
                                system=self.system, prompt=self.prompt, history_length=self.history_length,
                                batch_size=self.batch_size)
         trees: list[list[Node]] = [[] for _ in range(blocks)]
+        self._roots = [new_root() for _ in range(blocks)]
         was_training = model.training
         model.eval()
         try:
@@ -203,7 +204,7 @@ class TreeRollout(TurnRollout):
                     self._grow(trees, starts, seeds)
         finally:
             model.train(was_training)
-        out = self._rows(trees, G, tok.eos_token_id, trainer.accelerator.process_index)
+        out = self._rows(trees, G, tok.eos_token_id)
         leaves = [n for tree in trees for n in tree if n.leaf]
         self._metrics = {
             "episodes": float(len(leaves)), "success_rate": sum(n.success for n in leaves) / max(len(leaves), 1),
@@ -255,9 +256,9 @@ class TreeRollout(TurnRollout):
 
     def _expansions(self, b: int, tree: list[Node]) -> list[tuple]:
         return [(b, *start) for start in fork_starts(tree, self.beam, self.branches, self.criterion, self.alpha,
-                                                     self.lam)]
+                                                     self.lam, self._roots[b])]
 
-    def _rows(self, trees: list[list[Node]], G: int, eos: int, rank: int) -> dict[str, Any]:
+    def _rows(self, trees: list[list[Node]], G: int, eos: int) -> dict[str, Any]:
         out: dict[str, Any] = {"prompt_ids": [], "completion_ids": [], "logprobs": None, "env_mask": [],
                                "agentcredit_extras": []}
         out.update({k: [] for k in self.FIELDS})
@@ -271,15 +272,17 @@ class TreeRollout(TurnRollout):
                 out[k].append(v)
 
         pad_extras = {"parent": -1, "surprisal": 0.0, "fresh": False, "sel_rank": -1, "sel_ncand": 0,
-                      "selected": False}
+                      "selected": False, "root_sel_rank": -1, "root_sel_ncand": 0, "root_selected": False}
         for b, tree in enumerate(trees):
             base = b * G
+            root = {f"root_{k}": v for k, v in self._roots[b].items()}
             for n in tree:
                 reward = n.path_return if n.leaf else 0.0
                 row(n.prompt_ids, n.completion_ids, [1] * len(n.completion_ids),
                     (base + n.id, 0, n.state, n.action, reward, n.success, n.truncated, n.valid),
                     {"parent": base + n.parent if n.parent >= 0 else -1, "surprisal": n.surprisal,
-                     "fresh": n.fresh, "sel_rank": n.sel_rank, "sel_ncand": n.sel_ncand, "selected": n.selected})
+                     "fresh": n.fresh, "sel_rank": n.sel_rank, "sel_ncand": n.sel_ncand, "selected": n.selected,
+                     **root})
             for _ in range(G - len(tree)):
                 row([eos], [eos], [0], (-1, 0, 0, -1, 0.0, False, False, False), pad_extras)
         return out

@@ -16,7 +16,8 @@ selected, see :mod:`env_adapters.verl`; recipes: ``recipes/verl/sokoban_asct.yam
   ``initial`` chains are the group), grown with :func:`env_adapters.search.fork_starts`; the chains of one
   iteration run concurrently. It returns one ``AgentLoopOutput`` per node with ``extra_fields`` ``traj_uid`` (node
   id), ``step_idx`` 0, ``parent`` (the parent's ``traj_uid``; None under the root), ``surprisal`` (-mean sampled
-  log-prob; the loop asks the server for log-probs), ``fresh``, ``sel_rank``, ``sel_ncand``, ``selected`` and
+  log-prob; the loop asks the server for log-probs), ``fresh``, ``sel_rank``, ``sel_ncand``, ``selected``,
+  ``root_sel_rank``, ``root_sel_ncand``, ``root_selected`` and
   ``step_reward`` = the root-to-leaf return on leaves (0 inside).
 """
 
@@ -30,7 +31,7 @@ from uuid import uuid4
 from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput, register
 
 from .prompting import build_prompt, parse_action
-from .search import Node, fork_starts, require_search_env
+from .search import Node, fork_starts, new_root, require_search_env
 from .verl import EnvAgentLoop, _plain, _sample_field
 
 __all__ = ["CounterfactualAgentLoop", "TreeAgentLoop"]
@@ -137,6 +138,7 @@ class TreeAgentLoop(EnvAgentLoop):
         system = [dict(m) for m in (kwargs.get("raw_prompt") or []) if isinstance(m, Mapping)
                   and m.get("role") == "system"]
         tree: list[Node] = []
+        root = new_root()
 
         async def grow(starts):
             # chains run concurrently but append to one list: node ids are assigned in completion order
@@ -145,7 +147,7 @@ class TreeAgentLoop(EnvAgentLoop):
 
         await grow([(-1, None, 0, 0.0, False)] * self.initial)
         for _ in range(self.iterations):
-            await grow(fork_starts(tree, self.beam, self.branches, self.criterion, self.alpha, self.lam))
+            await grow(fork_starts(tree, self.beam, self.branches, self.criterion, self.alpha, self.lam, root))
         tag = uuid4().hex[:12]
         leaves = [n for n in tree if n.leaf]
         mean_return = sum(n.path_return for n in leaves) / max(len(leaves), 1)
@@ -155,7 +157,7 @@ class TreeAgentLoop(EnvAgentLoop):
                      "step_reward": n.path_return if n.leaf else 0.0, "valid": n.valid, "success": n.success,
                      "truncated": n.truncated, "parent": f"{tag}-{n.parent}" if n.parent >= 0 else None,
                      "surprisal": n.surprisal, "fresh": n.fresh, "sel_rank": n.sel_rank, "sel_ncand": n.sel_ncand,
-                     "selected": n.selected,
+                     "selected": n.selected, **{f"root_{k}": v for k, v in root.items()},
                      "reward_extra_info": {"success": float(n.success), "episode_return": n.path_return,
                                            "episode_steps": n.depth + 1}}
             outputs.append(AgentLoopOutput(

@@ -393,3 +393,103 @@ def test_verl_knows_the_agent_loop_by_name_through_the_entry_point():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=dict(os.environ, PYTHONWARNINGS="ignore")).stdout
     assert "env_adapters.verl" in out
+
+
+# ---- the search loops (env_adapters.verl_search) ------------------------------------------------------------
+def _search_config(estimator, n=2, **params):
+    config = _config(logprobs=True)
+    config.actor_rollout_ref.rollout.n = n
+    config.algorithm.adv_estimator = estimator
+    config.algorithm[estimator] = params
+    return config
+
+
+def test_counterfactual_loop_rows_carry_asct_tables_and_verl_computes_asct(transfer_queue, model_and_tokenizer):
+    import env_adapters.verl_search  # noqa: F401  (registers agentcredit_counterfactual)
+
+    model, tok = model_and_tokenizer
+    env = env_adapters.make("minigrid", **ENV_OPTIONS)
+    plan = _bfs_plan(env, SEED)
+    config = _search_config("asct")
+    servers = [HFServer(model, tok, plan), HFServer(model, tok, [None] + ["turn left"] * 3)]
+    _rollout_group(config, servers, tok, uid="cf", max_steps=4, agent_name="agentcredit_counterfactual")
+    rows = _rows(transfer_queue, "cf", 2)
+    legal = env.legal_actions()
+    n = len(legal)
+    expected_raw = []
+    for s, steps in rows.items():
+        env.reset(SEED)
+        for r in steps:
+            e = r["extra"]
+            assert e["anchor_key"] == env.state_key()  # the search never moved the actor
+            assert e["legal_p"] == pytest.approx([1.0 / n] * n + [0.0])  # verl: the uniform baseline
+            assert sum(e["visits"][:n]) == 12 and min(e["visits"][:n]) >= 1
+            if e["action_key"] is None:
+                assert e["chosen"] == n and e["legal_mask"] == [True] * (n + 1)
+                assert e["q"][n] == pytest.approx(min(e["q"][:n]) - 0.1)
+            else:
+                assert legal[e["chosen"]] == e["action_key"] and e["legal_mask"] == [True] * n + [False]
+            expected_raw.append(e["q"][e["chosen"]] - sum(e["q"][:n]) / n)
+            env.step(e["action_key"])
+    keys = _keys(rows)
+    adv, metrics = _run_advantage(transfer_queue, keys, [{"status": "success"}] * len(keys), config)
+    per_row = torch.stack([a[0] for a in adv]).double()
+    raw = torch.tensor(expected_raw, dtype=torch.float64)
+    assert torch.allclose(per_row, ((raw - raw.mean()) / (raw.std() + 1e-6)), atol=1e-5)
+    assert metrics["agentcredit/steps"] == len(keys)
+
+
+def _tree_rows(tq, uid):
+    rows, i = [], 0
+    while True:
+        try:
+            data = tq.kv_batch_get(keys=[f"{uid}_0_{i}"], partition_id="train",
+                                   select_fields=["extra_fields", "response_mask"])
+        except Exception:
+            return rows
+        ef = data["extra_fields"]
+        rows.append({"key": f"{uid}_0_{i}", "extra": (ef.tolist() if hasattr(ef, "tolist") else list(ef))[0]})
+        i += 1
+
+
+def test_tree_loop_grows_one_tree_per_sample_and_verl_computes_tree_credit(transfer_queue, model_and_tokenizer,
+                                                                           tmp_path):
+    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+
+    import credit_plugins as cp
+
+    model, tok = model_and_tokenizer
+    path = tmp_path / "tree.yaml"
+    path.write_text("- name: tree_small\n  _target_: env_adapters.verl_search.TreeAgentLoop\n  env_name: minigrid\n"
+                    "  env_options: {size: 5}\n  max_steps: 3\n  initial: 2\n  iterations: 1\n  beam: 2\n"
+                    "  branches: 1\n  criterion: host\n")
+    for cfg in OmegaConf.load(path):
+        _agent_loop_registry[cfg.name] = cfg
+    torch.manual_seed(3)
+    config = _search_config("at2po", n=1)
+    try:
+        _rollout_group(config, [HFServer(model, tok)], tok, uid="tree", agent_name="tree_small", seed=SEED)
+        with pytest.raises(Exception, match=r"rollout\.n=1"):  # hydra wraps the ValueError
+            _rollout_group(_search_config("at2po", n=2), [HFServer(model, tok)] * 2, tok, uid="tree2",
+                           agent_name="tree_small", seed=SEED)
+    finally:
+        _agent_loop_registry.pop("tree_small", None)
+    rows = _tree_rows(transfer_queue, "tree")
+    ex = [r["extra"] for r in rows]
+    ids = {e["traj_uid"] for e in ex}
+    assert len(ids) == len(rows) and all(e["step_idx"] == 0 for e in ex)
+    assert all(e["parent"] is None or e["parent"] in ids for e in ex)
+    parents = {e["parent"] for e in ex}
+    leaves = [e for e in ex if e["traj_uid"] not in parents]
+    assert len(leaves) == 4 and sum(e["fresh"] for e in ex) == 2
+    assert all(e["surprisal"] > 0 for e in ex)  # -mean sampled log-prob, from the server's log-probs
+    assert all(e["step_reward"] == 0.0 for e in ex if e["traj_uid"] in parents)
+    keys = [r["key"] for r in rows]
+    adv, _ = _run_advantage(transfer_queue, keys, [{"status": "success"}] * len(keys), config)
+    per_row = torch.stack([a[0] for a in adv])
+    steps = cp.StepTable(group=["tree"] * len(ex), traj=[e["traj_uid"] for e in ex], t=[0] * len(ex),
+                         reward=[e["step_reward"] for e in ex],
+                         extras={"parent": np.asarray([-1 if e["parent"] is None else cp.stable_hash(e["parent"])
+                                                       for e in ex]),
+                                 "surprisal": np.asarray([e["surprisal"] for e in ex])})
+    assert torch.allclose(per_row, cp.get("at2po")(steps), atol=1e-6)

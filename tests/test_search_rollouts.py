@@ -121,3 +121,66 @@ def test_asct_trains_in_a_real_grpo_trainer(tiny, tmp_path):  # noqa: F811
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2 and all(math.isfinite(h["loss"]) for h in logs)
     assert all(h["agentcredit/adv_std"] > 0 for h in logs)  # standardised counterfactual credit, not all zero
+
+
+# ---- trees -----------------------------------------------------------------------------------------------------
+def test_tree_rollout_grows_the_configured_tree_and_its_rows_replay(tiny):  # noqa: F811
+    model, tok, _ = tiny
+    turns, G = 3, 12
+    rollout = TreeRollout("minigrid", ABS, max_turns=turns, max_new_tokens=6, initial=2, iterations=1, beam=2,
+                          branches=1, criterion="host")
+    assert rollout.leaves == 4 and rollout.max_nodes == G
+    with pytest.raises(ValueError, match="largest tree"):
+        rollout(_prompts([7], 6), _trainer(model, tok, 6))
+    out = rollout(_prompts([7], G), _trainer(model, tok, G))
+    rows = [i for i in range(G) if out["agentcredit_traj"][i] >= 0]
+    assert rows == list(range(len(rows)))  # node rows first, then padding
+    ex = [out["agentcredit_extras"][i] for i in rows]
+    node = {out["agentcredit_traj"][i]: i for i in rows}
+    parent = {out["agentcredit_traj"][i]: e["parent"] for i, e in zip(rows, ex)}
+    children = {n: [c for c, p in parent.items() if p == n] for n in node}
+    leaves = [n for n in node if not children[n]]
+    assert len(leaves) == 4                                                    # T8.8: M + L*K*B
+    assert sum(e["fresh"] for e in ex) == 2                                    # one fresh first node per fork
+    assert all(p == -1 or p in node for p in parent.values())
+    ranked = [e for e in ex if e["sel_rank"] >= 1]
+    assert ranked and all(e["sel_ncand"] == len(ranked) + 1 for e in ranked)   # every non-leaf + the root
+    assert ex[0]["root_sel_ncand"] == len(ranked) + 1
+    assert sum(e["selected"] for e in ex) + ex[0]["root_selected"] == 2       # beam K = 2 (no duplicates here)
+    # every root-to-leaf path replays on a real env: states, and the leaf's reward is the path's return
+    replay = env_adapters.make("minigrid", **ABS)
+    for leaf in leaves:
+        path = [leaf]
+        while parent[path[-1]] != -1:
+            path.append(parent[path[-1]])
+        replay.reset(7)
+        total = 0.0
+        for n in reversed(path):
+            i = node[n]
+            assert out["agentcredit_state"][i] == stable_hash(replay.state_key())
+            assert out["agentcredit_reward"][i] == (0.0 if children[n] else pytest.approx(total + _step(replay, tok,
+                                                                                                  out, i)))
+            if children[n]:
+                total += _step(replay, tok, out, i)
+        assert out["agentcredit_success"][node[leaf]] in (True, False)
+    m = rollout.metrics()
+    assert m["episodes"] == 4 and m["extra_generations"] == 2
+
+
+def _step(env, tok, out, i):
+    action = env_adapters.parse_action(ACTION_PREFIX + tok.decode(out["completion_ids"][i], skip_special_tokens=True))
+    return env.step(action).reward
+
+
+@pytest.mark.parametrize("credit", ["sipo", "at2po", "treerl"])
+def test_tree_estimators_train_in_a_real_grpo_trainer(tiny, tmp_path, credit):  # noqa: F811
+    model, tok, _ = tiny
+    rollout = TreeRollout("minigrid", ABS, max_turns=3, max_new_tokens=6, initial=2, iterations=1, beam=2,
+                          branches=1)
+    trainer = _train(rollout, credit, tmp_path, 12, model, tok)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and all(math.isfinite(h["loss"]) for h in logs)
+    assert all(h["agentcredit/steps"] == len(rollout.last_trees[0]) or h["agentcredit/steps"] > 0 for h in logs)
+    if credit == "sipo":
+        assert "agentcredit/sipo/a2_candidates" in logs[-1]
+        assert trainer._agentcredit.state_dict()["batches"] == 2

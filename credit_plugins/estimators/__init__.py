@@ -5,9 +5,11 @@ One file per method (``grpo.py``, ``gigpo.py``, ...), each holding its params da
 """
 
 from ..hookspecs import hookimpl
-from . import asct, crbc, gigpo, graphhca, grpo, mvpo
+from . import alignopsd, asct, crbc, gigpo, graphhca, grpo, mvpo, sipo, treerl, uniopsd
 
-BUILTIN = (grpo.ESTIMATOR, gigpo.ESTIMATOR, mvpo.ESTIMATOR, graphhca.ESTIMATOR, crbc.ESTIMATOR, asct.ESTIMATOR)
+BUILTIN = (grpo.ESTIMATOR, gigpo.ESTIMATOR, mvpo.ESTIMATOR, graphhca.ESTIMATOR, crbc.ESTIMATOR, asct.ESTIMATOR,
+           uniopsd.ESTIMATOR, sipo.AT2PO_ESTIMATOR, sipo.ESTIMATOR, treerl.ESTIMATOR, treerl.TREE_GRPO_ESTIMATOR,
+           alignopsd.ESTIMATOR)
 
 
 @hookimpl

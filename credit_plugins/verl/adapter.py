@@ -78,6 +78,15 @@ def estimator_params(config: Any, name: str) -> dict[str, Any]:
     return dict(sub)
 
 
+#: why the hindsight self-distillation estimators do not run on verl 0.9.1
+HINDSIGHT_ON_VERL = (
+    "agentcredit estimator {name!r} credits tokens by the policy's own log-probs under a hindsight prompt (a successful "
+    "sibling's actions), which must be computed after the whole group is rolled out and before the advantage; verl "
+    "0.9.1 has no such step: compute_advantage gets only rewards, masks and uids, the agent loops finish one session "
+    "at a time, and its teacher worker scores the same prompt with another model, on the last output of a loop only. "
+    "Use the TRL bridge (recipes/trl/minigrid_{name}.yaml), which scores hindsight prompts inside GRPOTrainer")
+
+
 def make_verl_estimator(estimator: Estimator):
     """A verl advantage-estimator function that runs ``estimator`` on the batch's steps."""
 
@@ -85,6 +94,8 @@ def make_verl_estimator(estimator: Estimator):
                 config: Any = None, non_tensor_batch: Mapping[str, np.ndarray] | None = None, **_: Any):
         params = estimator_params(config, estimator.name)
         p = estimator.make_params(**params)  # fail on a typo before touching the batch
+        if "lp_teacher" in estimator.requires:
+            raise ValueError(HINDSIGHT_ON_VERL.format(name=estimator.name))
         meta = CURRENT.get()
         if meta is None and non_tensor_batch is not None:
             meta = RowMeta.from_non_tensor_batch(non_tensor_batch)

@@ -109,12 +109,18 @@ ID_EXTRAS = ("parent",)
 
 def _extra_column(values: list[Any], name: str = "") -> Any:
     """A per-row list as a StepTable extras column: lists of numbers (milestones) become a 2-D array; an id column
-    (:data:`ID_EXTRAS`) becomes the int64 keys the StepTable gives the named rows' ``traj`` (None: -1)."""
+    (:data:`ID_EXTRAS`) becomes the int64 keys the StepTable gives the named rows' ``traj`` (None: -1). Blocks of
+    bools stay bool, of ints int64, anything else float64."""
     if name in ID_EXTRAS:
         from ..hashing import stable_hash
 
         return np.asarray([-1 if v is None else stable_hash(str(v)) for v in values], dtype=np.int64)
-    if values and isinstance(values[0], (list, tuple)):
+    if values and isinstance(values[0], (list, tuple, np.ndarray)):
+        flat = [x for v in values for x in v]
+        if all(isinstance(x, (bool, np.bool_)) for x in flat):
+            return np.asarray(values, dtype=bool)
+        if all(isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) for x in flat):
+            return np.asarray(values, dtype=np.int64)
         return np.asarray(values, dtype=np.float64)
     return values
 

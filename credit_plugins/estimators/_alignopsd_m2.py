@@ -1,0 +1,196 @@
+"""AlignOPSD mechanism 2 (semi-Markov hierarchical credit): the vectorised pieces.
+
+Follows ``verl/trainer/ppo/correspondence_credit.py`` of ``mingju-c/Align-OPSD``; see
+:mod:`credit_plugins.estimators.alignopsd` for the formulas and the decisions. Profiles and adjacent distances work
+on the task blocks of :mod:`._alignopsd_m1`; segmentation on a trajectory-major ``[N, T + 1]`` layout of boundary
+positions (position ``p`` is the cut between turns ``p - 1`` and ``p``), looping only over candidate ranks and
+split rounds (each at most the longest trajectory's length), never over trajectories.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..segments import segment_sum
+from ._alignopsd_m1 import TaskBlocks
+
+__all__ = ["DISTANCES", "profiles", "adjacent_distance", "segmentation_threshold", "segment_boundaries",
+           "segment_ids", "segment_softmax", "hierarchical_density", "project_budget"]
+
+DISTANCES = ("jsd", "entropy", "cosine")
+BIG = 1 << 40
+BISECTION_ITERS = 200  # float64 bisection stops earlier, once every bracket is down to rounding
+
+
+def profiles(h: torch.Tensor, b: torch.Tensor, tau: float, t_prof: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``P[g, t, s] = softmax_{s: B[s,t]}(H[s,t] / T_prof)`` (zeros without an eligible source) and its validity
+    ``max_{s: B} H[s, t] >= tau`` (the threshold never truncates P)."""
+    logits = torch.where(b, h / t_prof, -math.inf)
+    top = logits.max(-1, keepdim=True).values
+    has = b.any(-1)
+    e = torch.where(b, torch.exp(logits - torch.where(has[..., None], top, 0.0)), 0.0)
+    total = e.sum(-1, keepdim=True)
+    p = e / torch.where(total > 0, total, 1.0)
+    best = torch.where(b, h, -math.inf).max(-1).values
+    return p, has & (best >= tau)
+
+
+def _xlogy_ratio(p: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return torch.where(p > 0, p * (torch.log(torch.where(p > 0, p, 1.0)) - torch.log(torch.where(p > 0, m, 1.0))),
+                       0.0).sum(-1)
+
+
+def _entropy(p: torch.Tensor) -> torch.Tensor:
+    return -torch.where(p > 0, p * torch.log(torch.where(p > 0, p, 1.0)), 0.0).sum(-1)
+
+
+def _distance(p: torch.Tensor, q: torch.Tensor, mode: str, n_rows: int) -> torch.Tensor:
+    if mode == "jsd":  # normalised Jensen-Shannon divergence, natural logs / ln 2
+        m = 0.5 * (p + q)
+        d = 0.5 * (_xlogy_ratio(p, m) + _xlogy_ratio(q, m)) / math.log(2.0)
+    elif mode == "entropy":  # |H(p) - H(q)| / log(support); the authors' support is every turn of the batch
+        norm = math.log(n_rows) if n_rows > 1 else 1.0
+        d = (_entropy(p) - _entropy(q)).abs() / norm
+    else:  # 1 - cosine, with torch.cosine_similarity's 1e-8 norm floor
+        eps = 1e-8
+        d = 1.0 - (p * q).sum(-1) / (p.norm(dim=-1).clamp(min=eps) * q.norm(dim=-1).clamp(min=eps))
+    return d.clamp(0.0, 1.0)
+
+
+def adjacent_distance(blocks: TaskBlocks, p: torch.Tensor, p_valid: torch.Tensor, b: torch.Tensor, mode: str,
+                      n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block ``[G, M]`` distance between the profiles of turn ``t - 1`` and ``t`` of one rollout, stored at ``t``,
+    and its validity: same rollout, both profiles valid, and equal eligibility columns (a change of the eligible
+    set is not evidence)."""
+    g, m = blocks.rows.shape
+    dist = torch.zeros(g, m, dtype=torch.float64)
+    valid = torch.zeros(g, m, dtype=torch.bool)
+    if m > 1:
+        same = blocks.present[:, 1:] & (blocks.rollout[:, 1:] == blocks.rollout[:, :-1])
+        ok = same & p_valid[:, 1:] & p_valid[:, :-1] & (b[:, 1:] == b[:, :-1]).all(-1)
+        dist[:, 1:] = torch.where(ok, _distance(p[:, :-1], p[:, 1:], mode, n_rows), 0.0)
+        valid[:, 1:] = ok
+    return dist, valid
+
+
+def segmentation_threshold(dist: torch.Tensor, valid: torch.Tensor, quantile: float, lo: float, hi: float) -> float:
+    """``theta = clip(quantile_q(valid distances), lo, hi)``; ``inf`` when no distance is valid."""
+    values = dist[valid]
+    if values.numel() == 0:
+        return math.inf
+    return float(min(max(float(torch.quantile(values, quantile)), lo), hi))
+
+
+def _neighbours(bnd: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nearest boundary strictly left and right of position ``p[i]`` in each row of ``bnd``."""
+    idx = torch.arange(bnd.shape[1])
+    left = torch.where(bnd & (idx < p[:, None]), idx, -1).max(1).values
+    right = torch.where(bnd & (idx > p[:, None]), idx, BIG).min(1).values
+    return left, right
+
+
+def segment_boundaries(dist: torch.Tensor, valid: torch.Tensor, length: torch.Tensor, theta: float, min_seg: int,
+                       max_seg: int, fallback_min: float, priority: torch.Tensor | None = None) -> torch.Tensor:
+    """``[N, T + 1]`` bool boundary positions of every trajectory (0 and its length always set).
+
+    ``dist``/``valid`` ``[N, T + 1]``: the distance at cut ``p`` (between turns ``p - 1`` and ``p``). Candidates
+    are the valid cuts with distance ``> theta`` (all cuts when a random ``priority`` is given, ablation D),
+    accepted by descending distance (priority), ties by position, when both pieces keep ``>= min_seg`` turns.
+    Then, while a segment is longer than ``max_seg``, the leftmost one is split at its valid cut with the largest
+    distance ``>= fallback_min`` among those leaving both pieces ``>= min_seg``, else at the balanced midpoint
+    ``(left + right) // 2`` (the feasible cut nearest the middle, the lower one on a tie).
+    """
+    n, width = dist.shape
+    idx = torch.arange(width)
+    rows = torch.arange(n)
+    inside = (idx >= 1) & (idx < length[:, None])
+    bnd = (idx == 0) | (idx == length[:, None])
+    if priority is None:
+        cand, key = inside & valid & (dist > theta), dist
+    else:
+        cand, key = inside, priority
+    order = torch.sort(torch.where(cand, key, -math.inf), dim=1, descending=True, stable=True).indices
+    n_cand = cand.sum(1)
+    for r in range(int(n_cand.max()) if n else 0):  # loop over candidate ranks, all trajectories at once
+        p = order[:, r]
+        left, right = _neighbours(bnd, p)
+        accept = (r < n_cand) & (p - left >= min_seg) & (right - p >= min_seg)
+        bnd[rows[accept], p[accept]] = True
+    while True:  # one split per trajectory per round; each round shortens an overlong segment
+        nb = torch.where(bnd, idx, BIG)
+        suffix = torch.flip(torch.cummin(torch.flip(nb, [1]), 1).values, [1])
+        nxt = torch.cat([suffix[:, 1:], torch.full((n, 1), BIG, dtype=torch.int64)], 1)
+        over = bnd & (idx < length[:, None]) & (nxt - idx > max_seg)
+        has = over.any(1)
+        if not bool(has.any()):
+            return bnd
+        left = torch.argmax(over.to(torch.int8), 1)  # the leftmost overlong segment
+        right = nxt[rows, left]
+        feasible = (idx >= (left + min_seg)[:, None]) & (idx <= (right - min_seg)[:, None])
+        score = torch.where(feasible & valid & (dist >= fallback_min), dist, -math.inf)
+        best = torch.argmax(score, 1)  # first maximum: ties go to the lower position
+        guided = torch.isfinite(score[rows, best])
+        split = torch.where(guided, best, torch.div(left + right, 2, rounding_mode="floor"))
+        bnd[rows[has], split[has]] = True
+
+
+def segment_ids(bnd: torch.Tensor, length: torch.Tensor, row_traj: torch.Tensor,
+                t: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """Global segment id of each sorted row, the number of segments and each segment's trajectory."""
+    starts = bnd[:, :-1] & (torch.arange(bnd.shape[1] - 1) < length[:, None])
+    local = torch.cumsum(starts.to(torch.int64), 1) - 1
+    per_traj = starts.sum(1)
+    offset = torch.cumsum(per_traj, 0) - per_traj
+    seg = offset[row_traj] + local[row_traj, t]
+    n_seg = int(per_traj.sum())
+    return seg, n_seg, torch.repeat_interleave(torch.arange(bnd.shape[0]), per_traj)
+
+
+def segment_softmax(x: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
+    """Softmax of ``x`` within each segment of ``index`` (float64)."""
+    x = x.to(torch.float64)
+    top = torch.full((n,), -math.inf, dtype=torch.float64).scatter_reduce_(0, index, x, "amax")
+    e = torch.exp(x - top[index])
+    return e / segment_sum(e, index, n)[index]
+
+
+def hierarchical_density(n_tok: torch.Tensor, score: torch.Tensor, seg: torch.Tensor, n_seg: int,
+                         seg_traj: torch.Tensor, row_traj: torch.Tensor, n_traj: int, t_c: float):
+    """Span budget ``b``, within-span ``q`` and raw density ``h = N_traj b_seg q_k / N_k`` (``sum N h = N_traj``)."""
+    seg_tok = segment_sum(n_tok, seg, n_seg)
+    seg_score = segment_sum(score, seg, n_seg) / torch.bincount(seg, minlength=n_seg).to(torch.float64)
+    b = segment_softmax(torch.log(seg_tok) + seg_score / t_c, seg_traj, n_traj)
+    q = segment_softmax(torch.log(n_tok) + score / t_c, seg, n_seg)
+    traj_tok = segment_sum(n_tok, row_traj, n_traj)
+    return b, q, traj_tok[row_traj] * b[seg] * q / n_tok
+
+
+def project_budget(raw: torch.Tensor, counts: torch.Tensor, index: torch.Tensor, n: int, lo: float,
+                   hi: float) -> torch.Tensor:
+    """Weighted Euclidean projection of ``raw`` onto ``[lo, hi]`` with ``sum_{index=i} counts * h = sum counts``.
+
+    KKT form ``clip(raw - lambda_i, lo, hi)``; ``lambda`` per segment by one bisection for all segments at once
+    (the budget is non-increasing in lambda), then solved exactly on the resulting active set, so the budget holds
+    to float64 rounding. Needs ``lo <= 1 <= hi``.
+    """
+    raw, counts = raw.to(torch.float64), counts.to(torch.float64)
+    target = segment_sum(counts, index, n)
+    lam_lo = torch.full((n,), math.inf, dtype=torch.float64).scatter_reduce_(0, index, raw - hi, "amin")
+    lam_hi = torch.full((n,), -math.inf, dtype=torch.float64).scatter_reduce_(0, index, raw - lo, "amax")
+    for _ in range(BISECTION_ITERS):  # loop over bisection steps, every segment at once
+        mid = 0.5 * (lam_lo + lam_hi)
+        if not bool(((mid > lam_lo) & (mid < lam_hi)).any()):  # no bracket can shrink any further
+            break
+        above = segment_sum(counts * (raw - mid[index]).clamp(lo, hi), index, n) > target
+        lam_lo, lam_hi = torch.where(above, mid, lam_lo), torch.where(above, lam_hi, mid)
+    lam = 0.5 * (lam_lo + lam_hi)
+    shifted = raw - lam[index]
+    free = (shifted > lo) & (shifted < hi)
+    bound = torch.where(shifted >= hi, torch.full_like(raw, hi), torch.full_like(raw, lo))
+    n_free = segment_sum(torch.where(free, counts, 0.0), index, n)
+    fixed = segment_sum(torch.where(free, 0.0, counts * bound), index, n)
+    raw_free = segment_sum(torch.where(free, counts * raw, 0.0), index, n)
+    lam_exact = torch.where(n_free > 0, (raw_free + fixed - target) / torch.where(n_free > 0, n_free, 1.0), lam)
+    return torch.where(free, raw - lam_exact[index], bound)

@@ -1,0 +1,551 @@
+"""AlignOPSD: decision-aligned on-policy self-distillation credit (rectified teacher gap, semi-Markov allocation).
+
+Paper: "Beyond Timestamps: Decision-Aligned On-Policy Self-Distillation for Multi-Turn LLM Agents" (AlignOPSD),
+arXiv:2609.33391. Spec: ``DISTILL.md`` §8 [S-code]: follows the authors' code ``mingju-c/Align-OPSD``
+(``thinking_correspondence.py`` = M1, ``correspondence_credit.py`` = M2, ``beyond_timestamps_trainer.yaml``).
+
+    H[s,t]     = cos(E_teacher_think[s], E_student_think[t]),  B[s,t] = same task & other rollout & both non-empty
+    S_t        = top-K of {one best s per rollout : B[s,t], H[s,t] >= tau_sim}    (ties: (traj, t) order)
+    omega_s    = softmax_{s in S_t}(H[s,t] / T_agg),   rho_t = sum_s omega_s clip((H[s,t] - tau) / (1 - tau), 0, 1)
+    l^cross_t  = log sum_s omega_s exp(l^cross_{s->t})   (probability_mixture)  |  sum_s omega_s l^cross_{s->t}
+    alpha_t    = alpha_max rho_t  (0 without lp_cross or without a source)
+    g_{t,j}    = (1 - alpha_t) lp_teacher_{t,j} + alpha_t l^cross_{t,j} - lp_old_{t,j}
+    P[t,s]     = softmax_{s: B[s,t]}(H[s,t] / T_prof), valid iff max_{s: B} H[s,t] >= tau_sim
+    d_t        = JSD(P[t-1], P[t]) / ln 2, valid iff both profiles valid and B[:, t-1] = B[:, t]
+    theta      = clip(quantile_q(valid d), theta_min, theta_max)        (inf if none)
+    segments   = greedy cuts at d > theta by descending d (pieces >= min_seg), then max_seg repair
+    A_traj     = GRPO of the episode return R = sum_t r_t per unique rollout (scope turn | trajectory)
+    sigma_k    = sign(A_traj) mean_{j in mask} g_{k,j},   N_k = trainable tokens of turn k
+    b_seg      = softmax_{seg in traj}(log N_seg + mean_{k in seg} sigma_k / T_c)
+    q_k        = softmax_{k in seg}(log N_k + sigma_k / T_c)
+    h_k        = N_traj b_seg q_k / N_k,  h^_k = clip(h_k - lambda, h_min, h_max) with sum_k N_k h^_k = N_traj
+    w_k        = (1 - mu) + mu h^_k,      A_{k,j} = mask_{k,j} (A_traj w_k + r^inv_k)
+
+Inputs (one StepTable row per (rollout, turn); group = task, traj = rollout, t = turn): ``reward`` (the episode
+return is the sum), extras ``lp_old`` [S, L] (student behaviour log-probs of the row's response tokens),
+``lp_teacher`` [S, L] (diagonal teacher-forced log-probs), ``token_mask`` [S, L] 0/1, ``emb_teacher`` /
+``emb_student`` [S, D] (thinking embeddings; an all-zero row = empty thinking), optional ``lp_cross`` [S, K, L]
+with ``cross_src`` [S, K] int64 (input row index of the source scoring slot k, -1 none; must equal
+:func:`select_sources`), optional ``valid`` [S] bool (``is_action_valid``). Output ``[S, L]`` float32, 0 off mask.
+Call :func:`select_sources` first to know which cross teacher-forced passes to run; :func:`alignopsd_terms` gives
+every intermediate quantity (float64, sorted order).
+
+Decisions where the spec is open or reconstructed:
+
+* Code over paper [S-code] throughout: the spec was read from the authors' code. Specifically: the diagonal score
+  is used as ``l^cross`` on rows without a source (alpha is 0 there anyway); the entropy distance is normalised
+  by ``log S`` (the authors' dense profiles span every turn of the batch); ``flat_token`` (ablation B) uses the
+  projected token densities directly as weights, without the ``(1 - mu) + mu h`` mixing (the authors'
+  ``compute_flat_token_credit``), so its weights lie in ``[h_min, h_max]``, not in the mixed band; ``flat_turn``
+  (C) is one segment per trajectory; the span score is the unweighted mean of ``sigma_k`` over the span's turns;
+  ``random`` (D) accepts random cuts under the ``min_seg`` rule and keeps the ``max_seg`` repair on the real
+  distances. The defaults are ``beyond_timestamps_trainer.yaml`` (alpha_max 0.80, not the code fallback 0.20),
+  except ``grpo_scope="turn"``: the yaml's base value is ``trajectory`` but five of the six launchers
+  (CONFIGS.md) set ``turn``; Search-3B uses ``trajectory`` with ``log_mean``.
+* [R] Tie-breaking of equal similarities: by the source's ``(traj, t)`` order in the table (the authors sort by
+  the string identity ``(task, rollout, turn)``). H is computed in float64 (the authors: float32), so a
+  similarity within float32 rounding of ``tau_sim`` may be kept here and dropped there.
+* [R] A group with one rollout gets ``A_traj = 0`` (the authors' code raises; GRPO needs two siblings and the
+  spec asks for 0, not verl's ``R / (1 + eps)``); a group whose returns are all equal gets 0 as well (std 0).
+* [R] ``valid`` residual: the episode outcome is the table's return ``R = sum_t r_t`` broadcast to the turns, as
+  verl-agent's raw ``episode_rewards``; the residual is ``z_g(R - c 1[invalid]) - z_g(R)`` with ``z_g`` the
+  z-score over the task group's turn rows (unbiased std + eps, one row: mean 0, std 1), ``c = invalid_penalty``
+  (verl-agent's ``invalid_action_penalty_coef`` 0.1), added on mask tokens after allocation (S-code). Without
+  ``valid`` the residual is 0. It is the only term not scaled by ``w_k``.
+* [R] Log-probs are checked (finite) on mask tokens only; off-mask values are ignored (padding may hold
+  anything). ``lp_cross`` slots with ``cross_src = -1`` are ignored. Every row needs at least one mask token
+  (the authors' invariant; ``log N_k`` is undefined otherwise). Framework copies of a turn must be removed
+  before building the table (it rejects a duplicate ``(traj, t)``); their ``1/k`` loss weights are the bridge's.
+* Projection: bisection over all trajectories at once, then lambda solved exactly on the active set, so
+  ``sum_k N_k w_k = sum_k N_k`` to float64 rounding (RuntimeError past 1e-9 relative, or if a weight leaves its
+  band by more than 1e-9). Not implemented: the optional action-embedding filter (action cosine >= 0.80) and the
+  protocol term of B; the SDAR-gated M1-only auxiliary loss belongs to the trainer, not to this estimator.
+* Memory: H, B and the profiles are ``[G, M, M]`` float64 blocks (M = most turn rows in one task group).
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ..estimator import Estimator, make_params, param
+from ..segments import group_normalise, segment_sum
+from ..steptable import StepTable
+from . import _alignopsd_m1 as m1
+from . import _alignopsd_m2 as m2
+from .grpo import episode_advantage
+
+__all__ = ["AlignOPSDParams", "AlignOPSDTerms", "ESTIMATOR", "select_sources", "alignopsd_terms", "alignopsd",
+           "trajectory_advantage", "invalid_residual", "EXTRAS", "OPTIONAL_EXTRAS"]
+
+EXTRAS = ("lp_old", "lp_teacher", "token_mask", "emb_teacher", "emb_student")
+OPTIONAL_EXTRAS = ("lp_cross", "cross_src", "valid")
+ALLOCATIONS = ("hierarchical", "flat_token", "flat_turn", "random")
+PROJECTIONS = ("legacy", "bounded")
+SCOPES = ("turn", "trajectory")
+BUDGET_TOL = 1e-9
+
+
+@dataclass
+class AlignOPSDParams:
+    """Hyperparameters of AlignOPSD (defaults: the authors' ``beyond_timestamps_trainer.yaml``)."""
+
+    VERL_EXTRAS: ClassVar[tuple[str, ...]] = EXTRAS
+    VERL_OPTIONAL_EXTRAS: ClassVar[tuple[str, ...]] = OPTIONAL_EXTRAS
+
+    # ---- M1: supervision rectification ----
+    tau_sim: float = param(0.70, "Similarity threshold tau_sim in [-1, 1) for sources and for profile validity "
+                           "(0.65-0.8 in the launchers).")
+    top_k: int = param(3, "Sources K kept per target after the one-per-rollout cap (2-3 in the launchers).")
+    t_agg: float = param(0.10, "Temperature T_agg of the source weights omega = softmax(H / T_agg).")
+    alpha_max: float = param(0.80, "Largest rectification strength alpha_max in [0, 1]; 0 = ablation A.")
+    aggregation: str = param("probability_mixture", "Cross-source aggregation: 'probability_mixture' "
+                             "(log sum omega exp l) or 'log_mean' (sum omega l, the Search-3B profile).")
+    # ---- M2: profiles and segmentation ----
+    t_prof: float = param(0.10, "Temperature T_prof of the correspondence profiles P = softmax(H / T_prof).")
+    distance: str = param("jsd", "Adjacent-profile distance: 'jsd' (normalised Jensen-Shannon), 'entropy' or "
+                          "'cosine'.")
+    quantile: float = param(0.80, "Quantile of the valid distances that sets the cut threshold theta.")
+    theta_min: float = param(0.01, "Lower clip of theta; also the least distance of a guided max_seg split.")
+    theta_max: float = param(0.10, "Upper clip of theta.")
+    min_seg: int = param(2, "Shortest span in turns (when the trajectory has that many).")
+    max_seg: int = param(8, "Longest span in turns; must be >= 2 * min_seg - 1.")
+    allocation: str = param("hierarchical", "'hierarchical' (E, full), 'flat_token' (B), 'flat_turn' (C) or "
+                            "'random' (D: random spans).")
+    seed: int = param(0, "Seed of the random spans of allocation='random'.")
+    # ---- M2: allocation ----
+    t_c: float = param(1.0, "Credit temperature T_c of span and turn budgets (0.2-1.0 in the launchers).")
+    mu: float = param(0.5, "Mixing mu of the turn weight w = (1 - mu) + mu h in [0, 1].")
+    projection: str = param("legacy", "Density box: 'legacy' [0, h_max] or 'bounded' [1 - band, 1 + band].")
+    h_max: float = param(4.0, "Upper density bound of the legacy box (>= 1).")
+    band: float = param(0.2, "Half-width of the bounded box, in [0, 1].")
+    # ---- base credit ----
+    grpo_scope: str = param("turn", "GRPO statistics of A_traj over the group's turn rows ('turn', the launchers) "
+                            "or its rollouts ('trajectory', the yaml base and Search-3B).")
+    norm_std: bool = param(True, "Divide A_traj (and the invalid residual's z-scores) by the group std.")
+    eps: float = param(1e-6, "Added to every std before dividing.")
+    invalid_penalty: float = param(0.1, "Penalty c of the invalid-action residual (used when extras['valid'] is "
+                                   "given).")
+
+    def __post_init__(self):
+        def finite(name, lo=-math.inf, hi=math.inf, lo_open=False, hi_open=False):
+            v = getattr(self, name)
+            bad = (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo or v > hi
+                   or (lo_open and v == lo) or (hi_open and v == hi))
+            if bad:
+                lo_s, hi_s = ("(" if lo_open else "[") + f"{lo}", f"{hi}" + (")" if hi_open else "]")
+                raise ValueError(f"{name}={v!r}; it must be a finite number in {lo_s}, {hi_s}")
+
+        def integer(name, lo):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name}={v!r}; it must be an int >= {lo}")
+
+        def choice(name, options):
+            if getattr(self, name) not in options:
+                raise ValueError(f"{name}={getattr(self, name)!r}; choose one of {options}")
+
+        finite("tau_sim", -1.0, 1.0, hi_open=True)
+        integer("top_k", 1)
+        for name in ("t_agg", "t_prof", "t_c", "eps"):
+            finite(name, 0.0, lo_open=True)
+        finite("alpha_max", 0.0, 1.0)
+        finite("quantile", 0.0, 1.0)
+        finite("theta_min", 0.0, 1.0)
+        finite("theta_max", 0.0, 1.0)
+        if self.theta_min > self.theta_max:
+            raise ValueError(f"theta_min={self.theta_min} > theta_max={self.theta_max}; the clip needs "
+                             f"theta_min <= theta_max")
+        integer("min_seg", 1)
+        integer("max_seg", 1)
+        if self.max_seg < 2 * self.min_seg - 1:
+            raise ValueError(f"max_seg={self.max_seg} < 2 * min_seg - 1 = {2 * self.min_seg - 1}; raise max_seg "
+                             f"or lower min_seg, otherwise an overlong span cannot always be split into two spans "
+                             f">= min_seg")
+        finite("mu", 0.0, 1.0)
+        finite("h_max", 1.0)
+        finite("band", 0.0, 1.0)
+        finite("invalid_penalty", 0.0)
+        integer("seed", 0)
+        if not isinstance(self.norm_std, bool):
+            raise ValueError(f"norm_std={self.norm_std!r}; it must be True or False")
+        choice("aggregation", m1.AGGREGATIONS)
+        choice("distance", m2.DISTANCES)
+        choice("allocation", ALLOCATIONS)
+        choice("projection", PROJECTIONS)
+        choice("grpo_scope", SCOPES)
+
+    @property
+    def box(self) -> tuple[float, float]:
+        """The density bounds ``(h_min, h_max)`` of the projection."""
+        return (0.0, self.h_max) if self.projection == "legacy" else (1.0 - self.band, 1.0 + self.band)
+
+
+@dataclass
+class AlignOPSDTerms:
+    """Every intermediate quantity of one batch, in the table's sorted order (float64 unless noted)."""
+
+    src: torch.Tensor  # [S, K] int64 sorted-row index of each chosen source, -1 = none
+    sim: torch.Tensor  # [S, K] H of the chosen sources (0 on empty slots)
+    omega: torch.Tensor  # [S, K] source weights
+    rho: torch.Tensor  # [S] confidence
+    alpha: torch.Tensor  # [S] rectification strength
+    lp_cross: torch.Tensor  # [S, L] aggregated cross score l^cross (= lp_teacher where alpha has no source)
+    lp_rect: torch.Tensor  # [S, L] rectified teacher score
+    gap: torch.Tensor  # [S, L] g = l^rect - lp_old on mask tokens, 0 off mask
+    profile_valid: torch.Tensor  # [S] bool
+    distance: torch.Tensor  # [S] profile distance to the previous turn (0 at t = 0 / invalid)
+    boundary_valid: torch.Tensor  # [S] bool
+    theta: float
+    segment: torch.Tensor  # [S] int64 global span id (-1 for the flat allocations)
+    a_traj: torch.Tensor  # [S] base GRPO advantage of the row's rollout
+    n_tokens: torch.Tensor  # [S] N_k
+    turn_gap: torch.Tensor  # [S] mean_{mask} g
+    score: torch.Tensor  # [S] sigma_k = sign(A_traj) turn_gap
+    span_budget: torch.Tensor  # [n_spans] b_seg (empty for the flat allocations)
+    turn_budget: torch.Tensor  # [S] q_k
+    h_raw: torch.Tensor  # [S] raw density (flat_token: token-mean of the token densities)
+    h: torch.Tensor  # [S] projected density
+    w: torch.Tensor  # [S] turn weight (flat_token: token-mean of the token weights)
+    token_weight: torch.Tensor  # [S, L] weight of each mask token (w_k broadcast; flat_token: its own)
+    residual: torch.Tensor  # [S] invalid-action residual (0 without extras['valid'])
+    advantage: torch.Tensor  # [S, L] mask (A_traj token_weight + residual)
+
+
+# ---- inputs --------------------------------------------------------------------------------------------------------
+def _float_block(steps: StepTable, name: str, ndim: int) -> torch.Tensor:
+    x = steps.extra(name)
+    if x.ndim != ndim or x.dtype == torch.bool or x.is_complex():
+        raise ValueError(f"extras[{name!r}] has shape {tuple(x.shape)} and dtype {x.dtype}; give a float tensor of "
+                         f"{ndim} dims (first dim S = {steps.n_steps})")
+    return x.to(torch.float64)
+
+
+def _embeddings(steps: StepTable) -> tuple[torch.Tensor, torch.Tensor]:
+    et, es = _float_block(steps, "emb_teacher", 2), _float_block(steps, "emb_student", 2)
+    if et.shape != es.shape:
+        raise ValueError(f"extras['emb_teacher'] has shape {tuple(et.shape)} but extras['emb_student'] has "
+                         f"{tuple(es.shape)}; both are [S, D] embeddings from the same encoder")
+    for name, e in (("emb_teacher", et), ("emb_student", es)):
+        if not bool(torch.isfinite(e).all()):
+            raise ValueError(f"extras[{name!r}] holds NaN/inf; embed every turn (use an all-zero row for an empty "
+                             f"thinking text)")
+    return et, es
+
+
+def _token_inputs(steps: StepTable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    mask = steps.extra("token_mask")
+    if mask.ndim != 2:
+        raise ValueError(f"extras['token_mask'] has shape {tuple(mask.shape)}; give [S, L] 0/1 (the policy-loss "
+                         f"mask of each row's response tokens)")
+    if mask.dtype != torch.bool:
+        if mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError("extras['token_mask'] must hold only 0 and 1 (or bools); binarise the loss mask")
+        mask = mask != 0
+    empty = ~mask.any(1)
+    if bool(empty.any()):
+        i = int(steps.order[int(empty.nonzero()[0])])
+        raise ValueError(f"extras['token_mask'] has {int(empty.sum())} row(s) without a trainable token, first at "
+                         f"input row {i}; every turn needs >= 1 policy-loss token (drop the whole rollout or keep "
+                         f"at least one response token in the mask)")
+    out = []
+    for name in ("lp_old", "lp_teacher"):
+        lp = _float_block(steps, name, 2)
+        if lp.shape != mask.shape:
+            raise ValueError(f"extras[{name!r}] has shape {tuple(lp.shape)} but extras['token_mask'] has "
+                             f"{tuple(mask.shape)}; give one log-prob per response token [S, L]")
+        _check_finite(steps, name, lp, mask)
+        out.append(torch.where(mask, lp, 0.0))
+    return out[0], out[1], mask
+
+
+def _check_finite(steps: StepTable, name: str, lp: torch.Tensor, mask: torch.Tensor) -> None:
+    bad = mask & ~torch.isfinite(lp)
+    if bool(bad.any()):
+        r = int(bad.any(-1).nonzero()[0]) if bad.ndim == 2 else int(bad.flatten(1).any(-1).nonzero()[0])
+        raise ValueError(f"extras[{name!r}] has {int(bad.sum())} NaN/inf log-prob(s) on mask tokens, first at input "
+                         f"row {int(steps.order[r])}; recompute them (or mask those tokens out of token_mask)")
+
+
+def _has(steps: StepTable, name: str) -> bool:
+    try:
+        steps.extra(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _sorted_src_as_input(steps: StepTable, src: torch.Tensor) -> torch.Tensor:
+    return torch.where(src >= 0, steps.order[src.clamp(min=0)], -1)
+
+
+def _cross_inputs(steps: StepTable, p: AlignOPSDParams, src: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+    """``lp_cross`` [S, K, L] (float64, sorted rows) after checking ``cross_src`` against the selection."""
+    have_lp, have_src = _has(steps, "lp_cross"), _has(steps, "cross_src")
+    if not have_lp and not have_src:
+        return None
+    if not (have_lp and have_src):
+        missing = "cross_src" if have_lp else "lp_cross"
+        raise ValueError(f"extras[{missing!r}] is missing; lp_cross [S, K, L] and cross_src [S, K] go together "
+                         f"(pass both, or neither for ablation A)")
+    s, length = mask.shape
+    lp = _float_block(steps, "lp_cross", 3)
+    if tuple(lp.shape) != (s, p.top_k, length):
+        raise ValueError(f"extras['lp_cross'] has shape {tuple(lp.shape)}; expected [S, K, L] = "
+                         f"{(s, p.top_k, length)} (K = top_k, L as token_mask)")
+    cs = steps.extra("cross_src")
+    if tuple(cs.shape) != (s, p.top_k) or cs.is_floating_point() or cs.dtype == torch.bool:
+        raise ValueError(f"extras['cross_src'] has shape {tuple(cs.shape)} and dtype {cs.dtype}; expected int64 "
+                         f"[S, K] = {(s, p.top_k)} input row indices (-1 = none), as select_sources returns")
+    expected = _sorted_src_as_input(steps, src)
+    wrong = (cs.to(torch.int64) != expected).any(1)
+    if bool(wrong.any()):
+        r = int(wrong.nonzero()[0])
+        raise ValueError(f"extras['cross_src'] differs from select_sources(steps, params) at input row "
+                         f"{int(steps.order[r])}: got {cs[r].tolist()}, expected {expected[r].tolist()}; run the "
+                         f"cross teacher-forced passes for exactly the pairs select_sources returns, with the same "
+                         f"embeddings and tau_sim/top_k")
+    has = src >= 0
+    _check_finite(steps, "lp_cross", lp, has[:, :, None] & mask[:, None, :])
+    return torch.where(has[:, :, None] & mask[:, None, :], lp, 0.0)
+
+
+def _valid(steps: StepTable) -> torch.Tensor | None:
+    if not _has(steps, "valid"):
+        return None
+    v = steps.extra("valid")
+    if v.ndim != 1:
+        raise ValueError(f"extras['valid'] has shape {tuple(v.shape)}; give [S] bools (is_action_valid per turn)")
+    if v.dtype != torch.bool and (v.is_complex() or not bool(((v == 0) | (v == 1)).all())):
+        raise ValueError("extras['valid'] must hold only bools or 0/1 (is_action_valid per turn)")
+    return v != 0
+
+
+# ---- M1 --------------------------------------------------------------------------------------------------------
+@dataclass
+class _Correspondence:
+    blocks: m1.TaskBlocks
+    h: torch.Tensor  # [G, M, M] target-major
+    b: torch.Tensor  # [G, M, M]
+    src: torch.Tensor  # [S, K] sorted rows
+    sim: torch.Tensor  # [S, K]
+
+
+def _correspondence(steps: StepTable, p: AlignOPSDParams) -> _Correspondence:
+    et, es = _embeddings(steps)
+    teacher, t_ok = m1.unit_rows(et)
+    student, s_ok = m1.unit_rows(es)
+    blocks = m1.task_blocks(steps)
+    h = m1.similarity_blocks(blocks, teacher, student)
+    b = m1.eligibility_blocks(blocks, t_ok, s_ok)
+    chosen = m1.select_block_sources(h, b, blocks, p.tau_sim, p.top_k)
+    src, sim = m1.sources_per_row(steps, blocks, chosen, h)
+    return _Correspondence(blocks, h, b, src, sim)
+
+
+def _params(params: AlignOPSDParams | None, values: dict[str, Any], owner: str) -> AlignOPSDParams:
+    if params is not None and values:
+        raise ValueError(f"{owner}: pass either an AlignOPSDParams or keyword parameters, not both")
+    return params if params is not None else make_params(AlignOPSDParams, values, owner=owner)
+
+
+def select_sources(steps: StepTable, params: AlignOPSDParams | None = None,
+                   **values: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cross teacher-forcing pairs of a batch, in the table's **input** row order.
+
+    Returns ``src`` [S, K] int64: input row indices of each row's chosen source rows (-1 = none), best first, and
+    ``sim`` [S, K] float32: their similarity H (0 on empty slots). Needs ``emb_teacher`` and ``emb_student``.
+    Score row i's response under the teacher context of row ``src[i, k]`` and pass the results back as
+    ``lp_cross[i, k]`` with ``cross_src = src``.
+    """
+    p = _params(params, values, "alignopsd.select_sources")
+    steps.require("emb_teacher", "emb_student", by="alignopsd.select_sources")
+    c = _correspondence(steps, p)
+    return (steps.to_input_order(_sorted_src_as_input(steps, c.src)),
+            steps.to_input_order(c.sim).to(torch.float32))
+
+
+# ---- base credit -----------------------------------------------------------------------------------------------
+def _trajectory_advantage(steps: StepTable, p: AlignOPSDParams) -> torch.Tensor:
+    stats = "trajectories" if p.grpo_scope == "trajectory" else "steps"
+    a = episode_advantage(steps, norm_std=p.norm_std, eps=p.eps, episode_stats=stats)
+    siblings = torch.bincount(steps.traj_group, minlength=steps.n_groups)
+    return torch.where(siblings[steps.row_group] >= 2, a, 0.0)
+
+
+def trajectory_advantage(steps: StepTable, **params: Any) -> torch.Tensor:
+    """[S] float64 A_traj of each row's rollout (GRPO; one-rollout groups 0), input order."""
+    return steps.to_input_order(_trajectory_advantage(steps, make_params(AlignOPSDParams, params, "alignopsd")))
+
+
+def _invalid_residual(steps: StepTable, p: AlignOPSDParams, valid: torch.Tensor | None) -> torch.Tensor:
+    if valid is None:
+        return torch.zeros(steps.n_steps, dtype=torch.float64)
+    outcome = steps.returns[steps.row_traj]
+
+    def z(x):
+        return group_normalise(x, steps.row_group, steps.n_groups, norm_std=p.norm_std, eps=p.eps,
+                               singleton_mean_zero=True)
+
+    return z(outcome - p.invalid_penalty * (~valid).to(torch.float64)) - z(outcome)
+
+
+def invalid_residual(steps: StepTable, **params: Any) -> torch.Tensor:
+    """[S] float64 invalid-action residual of each row (0 without ``extras['valid']``), input order."""
+    return steps.to_input_order(_invalid_residual(steps, make_params(AlignOPSDParams, params, "alignopsd"),
+                                                  _valid(steps)))
+
+
+# ---- M2 --------------------------------------------------------------------------------------------------------
+def _traj_major(steps: StepTable, values: torch.Tensor, fill) -> torch.Tensor:
+    width = int(steps.traj_len.max()) + 1
+    out = torch.full((steps.n_traj, width), fill, dtype=values.dtype)
+    out[steps.row_traj, steps.t] = values
+    return out
+
+
+def _segments(steps: StepTable, p: AlignOPSDParams, dist: torch.Tensor, bvalid: torch.Tensor, theta: float):
+    d, v = _traj_major(steps, dist, 0.0), _traj_major(steps, bvalid, False)
+    priority = None
+    if p.allocation == "random":
+        gen = torch.Generator().manual_seed(p.seed)
+        priority = torch.rand(d.shape, generator=gen, dtype=torch.float64)
+    bnd = m2.segment_boundaries(d, v, steps.traj_len, theta, p.min_seg, p.max_seg, p.theta_min, priority)
+    return m2.segment_ids(bnd, steps.traj_len, steps.row_traj, steps.t)
+
+
+def _check_weights(steps: StepTable, w: torch.Tensor, counts: torch.Tensor, index: torch.Tensor, lo: float,
+                   hi: float, what: str) -> None:
+    target = segment_sum(counts, index, steps.n_traj)
+    err = (segment_sum(counts * w, index, steps.n_traj) - target).abs()
+    if bool((err > BUDGET_TOL * target.clamp(min=1.0)).any()):
+        raise RuntimeError(f"alignopsd: {what} break the token budget sum N w = sum N by up to {float(err.max()):.3g}")
+    if bool(((w < lo - BUDGET_TOL) | (w > hi + BUDGET_TOL)).any()):
+        raise RuntimeError(f"alignopsd: {what} leave their band [{lo}, {hi}] (min {float(w.min())}, max "
+                           f"{float(w.max())})")
+
+
+@dataclass
+class _Allocation:
+    segment: torch.Tensor
+    span_budget: torch.Tensor
+    turn_budget: torch.Tensor
+    h_raw: torch.Tensor
+    h: torch.Tensor
+    w: torch.Tensor
+    token_weight: torch.Tensor  # [S, L]
+
+
+def _turn_allocation(steps: StepTable, p: AlignOPSDParams, n_tok: torch.Tensor, score: torch.Tensor,
+                     dist: torch.Tensor, bvalid: torch.Tensor, theta: float, length: int) -> _Allocation:
+    """Hierarchical (E), random-span (D) or flat-turn (C, one span per trajectory) turn weights."""
+    lo, hi = p.box
+    if p.allocation == "flat_turn":
+        seg, n_seg, seg_traj = steps.row_traj, steps.n_traj, torch.arange(steps.n_traj)
+    else:
+        seg, n_seg, seg_traj = _segments(steps, p, dist, bvalid, theta)
+    b_seg, q, h_raw = m2.hierarchical_density(n_tok, score, seg, n_seg, seg_traj, steps.row_traj, steps.n_traj,
+                                              p.t_c)
+    h = m2.project_budget(h_raw, n_tok, steps.row_traj, steps.n_traj, lo, hi)
+    _check_weights(steps, h, n_tok, steps.row_traj, lo, hi, "projected densities")
+    w = (1.0 - p.mu) + p.mu * h
+    _check_weights(steps, w, n_tok, steps.row_traj, (1 - p.mu) + p.mu * lo, (1 - p.mu) + p.mu * hi, "turn weights")
+    if p.allocation == "flat_turn":
+        seg, b_seg = torch.full_like(seg, -1), torch.zeros(0, dtype=torch.float64)
+    return _Allocation(seg, b_seg, q, h_raw, h, w, w[:, None].expand(-1, length))
+
+
+def _token_allocation(steps: StepTable, p: AlignOPSDParams, gap: torch.Tensor, mask: torch.Tensor,
+                      a_traj: torch.Tensor, n_tok: torch.Tensor) -> _Allocation:
+    """Ablation B: budget over each rollout's mask tokens, ``q = softmax(sign(A) g / T_c)``, density ``N_traj q``
+    projected with unit counts; the projected density is the token weight (no mu mixing, the authors' code).
+    The per-turn fields are token means (``turn_budget``: the turn's share of q)."""
+    lo, hi = p.box
+    tok_traj = steps.row_traj[:, None].expand_as(gap)[mask]
+    q_tok = m2.segment_softmax((torch.sign(a_traj)[:, None] * gap)[mask] / p.t_c, tok_traj, steps.n_traj)
+    ones = torch.ones_like(q_tok)
+    raw_tok = segment_sum(ones, tok_traj, steps.n_traj)[tok_traj] * q_tok
+    proj = m2.project_budget(raw_tok, ones, tok_traj, steps.n_traj, lo, hi)
+    _check_weights(steps, proj, ones, tok_traj, lo, hi, "token weights")
+
+    def per_token(values):
+        out = torch.zeros_like(gap)
+        out[mask] = values
+        return out
+
+    token_w = per_token(proj)
+    w = token_w.sum(1) / n_tok
+    return _Allocation(torch.full((steps.n_steps,), -1, dtype=torch.int64), torch.zeros(0, dtype=torch.float64),
+                       per_token(q_tok).sum(1), per_token(raw_tok).sum(1) / n_tok, w, w, token_w)
+
+
+def alignopsd_terms(steps: StepTable, p: AlignOPSDParams) -> AlignOPSDTerms:
+    """All quantities of one batch (sorted order, float64): M1 rectification, then M2 allocation."""
+    steps.require(*EXTRAS, by="estimator 'alignopsd'")
+    lp_old, lp_diag, mask = _token_inputs(steps)
+    valid = _valid(steps)
+    c = _correspondence(steps, p)
+    lp_cross = _cross_inputs(steps, p, c.src, mask)
+
+    # M1: weights, confidence, strength, rectified gap
+    has = c.src >= 0
+    omega = m1.source_weights(c.sim, has, p.t_agg)
+    rho = m1.confidence(c.sim, omega, p.tau_sim)
+    if lp_cross is None:  # ablation A: no cross scores, plain diagonal gap
+        alpha, cross = torch.zeros(steps.n_steps, dtype=torch.float64), lp_diag
+    else:
+        alpha = (p.alpha_max * rho).clamp(0.0, p.alpha_max)
+        cross = m1.aggregate_cross(lp_cross, omega, has, lp_diag, p.aggregation)
+    lp_rect = m1.rectify(lp_diag, cross, alpha)
+    gap = torch.where(mask, lp_rect - lp_old, 0.0)
+
+    # M2: profiles, adjacent distances, threshold
+    prof, prof_valid = m2.profiles(c.h, c.b, p.tau_sim, p.t_prof)
+    dist_b, bvalid_b = m2.adjacent_distance(c.blocks, prof, prof_valid, c.b, p.distance, steps.n_steps)
+    dist, bvalid = c.blocks.per_row(dist_b, steps.row_group), c.blocks.per_row(bvalid_b, steps.row_group)
+    theta = m2.segmentation_threshold(dist, bvalid, p.quantile, p.theta_min, p.theta_max)
+
+    # M2: base credit, turn evidence, allocation
+    a_traj = _trajectory_advantage(steps, p)
+    maskf = mask.to(torch.float64)
+    n_tok = maskf.sum(1)
+    turn_gap = gap.sum(1) / n_tok
+    score = torch.sign(a_traj) * turn_gap
+    if p.allocation == "flat_token":
+        alloc = _token_allocation(steps, p, gap, mask, a_traj, n_tok)
+    else:
+        alloc = _turn_allocation(steps, p, n_tok, score, dist, bvalid, theta, mask.shape[1])
+    token_weight = alloc.token_weight * maskf
+    residual = _invalid_residual(steps, p, valid)
+    advantage = maskf * (a_traj[:, None] * token_weight + residual[:, None])
+    return AlignOPSDTerms(src=c.src, sim=c.sim, omega=omega, rho=rho, alpha=alpha, lp_cross=cross, lp_rect=lp_rect,
+                          gap=gap, profile_valid=c.blocks.per_row(prof_valid, steps.row_group), distance=dist,
+                          boundary_valid=bvalid, theta=theta, segment=alloc.segment, a_traj=a_traj, n_tokens=n_tok,
+                          turn_gap=turn_gap, score=score, span_budget=alloc.span_budget,
+                          turn_budget=alloc.turn_budget, h_raw=alloc.h_raw, h=alloc.h, w=alloc.w,
+                          token_weight=token_weight, residual=residual, advantage=advantage)
+
+
+def alignopsd(steps: StepTable, p: AlignOPSDParams) -> torch.Tensor:
+    """[S, L] float64 token advantages, sorted order (the registered ``fn``); an empty table gives ``[0, L]``."""
+    if steps.n_steps == 0:
+        return torch.zeros(steps.extra("token_mask").shape, dtype=torch.float64)
+    return alignopsd_terms(steps, p).advantage
+
+
+ESTIMATOR = Estimator(
+    name="alignopsd",
+    fn=alignopsd,
+    params=AlignOPSDParams,
+    paper="Beyond Timestamps: Decision-Aligned On-Policy Self-Distillation (AlignOPSD), arXiv:2609.33391; "
+          "authors' code mingju-c/Align-OPSD",
+    formula=textwrap.dedent(__doc__.split("\n\n")[2]) + "\nextras: lp_old, lp_teacher, token_mask [S, L]; "
+                                                        "emb_teacher, emb_student [S, D]; optional lp_cross [S, K, L] "
+                                                        "+ cross_src [S, K] (from select_sources), valid [S]",
+    requires=EXTRAS,
+    output="token",
+)

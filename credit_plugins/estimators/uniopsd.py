@@ -1,0 +1,466 @@
+"""UniOPSD: GiGPO whose step tier is fused with a successful-peer hindsight teacher, and token-modulated by it.
+
+Paper: "UniOPSD: Unified On-Policy Self-Distillation", arXiv:2609.34810. Follows the authors' code
+``Zenghuang-Fu/Uniopsd`` (``rlsd_utils.compute_opsd_step_tier``, ``compute_rlsd_token_advantage(form="fusion")``,
+``rlsd_ray_trainer`` with ``c_mode: corr``) step for step; spec ``DISTILL.md`` §7 [S-code].
+
+    delta_kt  = lp_teacher - lp_old  (mask tokens),  dbar_k = mean_t delta_kt,  g(k) = anchor group (group, state)
+    A^E_k     = e_k - mean_group e                                       GiGPO episode tier (mean_norm)
+    A^S_k     = omega (R_k - mean_g(k) R),  R_k = sum_l>=t gamma^(l-t) r_l   GiGPO step tier (mean_norm)
+    A^O_k     = s (dbar_k - mean_g(k) dbar),  s = std_T(A^S) / (std_T(dbar - mean_g dbar) + eps)   T = taught rows
+    p^S_k     = n_g / max(var_g R, eps),  p^O_k = 1 / max(s^2 Var_t(delta_k) / L_k, eps)
+    z^S, z^O  = p^S / median_both p^S,  p^O / median_both p^O              both = step evidence and taught
+    rho_hat   = max(0, rhobar - kappa / sqrt(n_prev max(1/(1-decay), 1))),  q = min(rho_hat^2, u (1 - 1e-6))
+    c*        = u (u - q) / (u^2 - 2 u q + q)                              global trust in the environment
+    c_k       = a z^S_k / (a z^S_k + z^O_k) (both),  c* (taught, no step evidence),  1 (untaught);  a = c*/(1-c*)
+    F_k       = c_k A^S_k + (1 - c_k) A^O_k
+    w_kt      = clip(exp(sign(F_k) delta_kt), 1 - eps_w, 1 + eps_w),  lambda_m = lam0 max(1 - m / T_decay, 0)
+    Ahat_kt   = A^E_k + F_k [(1 - lambda_m) + lambda_m w_kt]  on mask tokens, 0 elsewhere
+
+Inputs, one StepTable row per (trajectory, turn): ``state`` (anchor key), rewards (the episode return is their
+sum), and three extras of shape ``[S, L]`` (the row's response tokens, right-padded): ``lp_old`` (behaviour
+log-probs), ``lp_teacher`` (log-probs of the same tokens under the peer-prefixed prompt, scored by the same policy;
+rows without a teacher carry ``lp_old`` itself, so delta = 0 there) and ``token_mask`` (0/1 or bool, 1 on trainable
+tokens). "Taught" rows are those with sum_t |delta| > 0 on the mask. Which rows get a teacher (the first successful
+peer of the group; successes and all-fail groups get none) is decided upstream, by
+:func:`credit_plugins.hindsight.choose_peers`, when the teacher log-probs are computed.
+
+Cross-batch state (:class:`UniOPSD`): the correlation EMA rhobar (``None`` before the first measurement), n_prev
+(the number of both-evidence rows of the last measurement) and the batch counter m. After every batch rhobar is
+updated on the both-evidence rows, if there are at least two and A^S and A^O both vary there, with the Pearson
+correlation rho_m = corr(A^S, A^O): ``rhobar = decay rhobar + (1 - decay) rho_m`` (``rho_m`` itself the first time),
+n_prev = |both|. rho_hat uses only previous batches, so the first batch runs teacher-off (rho_hat = 0 => c* = 1 =>
+F = A^S): with ``lam0 = 0`` it is plain GiGPO (mean_norm).
+
+Where this follows the authors' code rather than the paper summary ([S-code]):
+
+* m counts batches from 1 (verl's ``global_steps`` is 1 on the first update), so lambda_1 = lam0 (1 - 1/T_decay);
+  m >= T_decay gives 0 (``warmdown_steps = 0`` gives lambda = 0 throughout).
+* Medians are ``torch.median``, the *lower* median of an even-sized set. They are taken over the both-evidence
+  rows, falling back to each source's own rows (has step evidence / taught), then to 1; divided by max(median, eps).
+* u is clamped to [1e-3, 1]; the rho_hat shrinkage uses max(n_prev, 1); c* >= 1 - 1e-6 sets c = 1 on every row
+  (the teacher is off, vacuum rows included); c* is clipped to [0, 1] and c_k's denominator floored at eps.
+* The scale s is 0 when fewer than two rows are taught or std_T(d) <= eps; both stds are unbiased (torch.std).
+  Var_t(delta_k) is the within-row variance with denominator L_k (mask tokens of the row, at least 1), var_g R the
+  anchor-group variance of the discounted step return with denominator n - 1. rho_m uses population stds.
+* The token weight keys off sign(F_k) (the fused step tier), not sign(A^E + F).
+* A^S carries omega (the spec's "omega (R - mean)"), so s matches the spread of omega A^S; p^S uses the raw R.
+
+Decisions where the spec is open ([R]):
+
+* A row with no mask token is allowed: its output row is 0, its delta is 0 (untaught) and it still counts in its
+  anchor group (its return is a real sample). NaN/inf in ``lp_old`` / ``lp_teacher`` on mask tokens is a
+  ``ValueError`` naming the field and the count; off the mask they are ignored (padding may hold anything).
+* Numerics: an anchor group whose discounted returns agree within rounding (max - min <= 1e-9 (1 + max |R|)) has no
+  step evidence and A^S = 0 exactly there (the value in exact arithmetic; GiGPO's own A^S carries ~1e-16 of
+  rounding noise there, which would otherwise make p^S = n/eps and silently turn a vacuum row into an arbitrating
+  one). The same relative tolerance (1e-12) decides whether A^S and A^O "vary" for the rho update.
+* ``frozen_rho`` (the paper's "frozen rho = 0.25" ablation): rho_hat = frozen_rho on every batch, no shrinkage;
+  rhobar and n_prev still advance, for the diagnostics.
+* The diagnostics (:attr:`UniOPSD.stats`) are this batch's: ``rho_hat``, ``c_star`` and ``lambda`` are the values
+  used for it (the authors log c* after the update, i.e. the next batch's); ``corr`` is rho_m (0 when it could not
+  be measured; ``corr_measured`` says which), ``sign_disagree`` the fraction of both-evidence rows where
+  sign(A^S) != sign(A^O), ``both_coverage`` |both| / S, ``c_mean`` and ``c_frac_mid`` (0.1 < c < 0.9) over all rows,
+  ``clip_saturation_frac`` the mask tokens whose unclipped exp(sign(F) delta) reaches a clip bound (the authors'
+  diagnostic keys off the sign of the GiGPO sum; this one off sign(F), the sign the weights use),
+  ``dead_token_frac`` the mask tokens with Ahat = 0, ``opsd_rescue_frac`` the rows with A^S = 0 but F != 0.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import textwrap
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..estimator import Estimator, make_params, param
+from ..segments import segment_sum
+from ..steptable import StepTable
+from .gigpo import step_advantage
+from .grpo import EPISODE_STATS, episode_advantage
+
+__all__ = ["UniOPSDParams", "UniOPSD", "UniOPSDTerms", "ESTIMATOR", "uniopsd", "uniopsd_terms", "initial_state",
+           "c_star", "shrunk_rho", "lambda_at", "token_inputs"]
+
+EXTRAS = ("lp_old", "lp_teacher", "token_mask")
+C_STAR_ONE = 1.0 - 1e-6      # c* at or above this switches the teacher off (authors' threshold)
+CONST_RTOL = 1e-9            # anchor-group returns equal within this relative spread carry no step evidence
+VARY_RTOL = 1e-12            # A^S / A^O "vary" on the both-evidence rows beyond this relative spread
+
+
+@dataclass
+class UniOPSDParams:
+    """Hyperparameters of UniOPSD (defaults: the authors' ``uniopsd.yaml`` / ``*_corr_*.yaml``)."""
+
+    gamma: float = param(0.95, "Discount of GiGPO's step return R_t.")
+    step_weight: float = param(1.0, "Weight omega of the GiGPO step tier A^S (step_advantage_w).")
+    norm_std: bool = param(False, "GiGPO normalisation: False is 'mean_norm' (the paper configs), True divides both "
+                           "tiers by their group std ('mean_std_norm').")
+    episode_stats: str = param("steps", "A^E statistics over 'steps' (verl-agent default) or 'trajectories'.")
+    a_reliability: float = param(0.5, "u = Var(T)/Var(A^S), the assumed reliability of the environment's step "
+                                 "estimate; in (0, 1].")
+    rho_decay: float = param(0.9, "EMA decay of the correlation rhobar between A^S and A^O; in [0, 1).")
+    rho_shrink_z: float = param(2.33, "kappa: rho_hat = rhobar - kappa / sqrt(n_prev / (1 - decay)) (one-sided 1%).")
+    lam0: float = param(0.5, "lambda_0, initial weight of the token modulation w (rlsd_lambda); in [0, 1].")
+    warmdown_steps: int = param(100, "T_decay: lambda decays linearly to 0 at batch T_decay (0: lambda = 0).")
+    clip_eps: float = param(0.2, "eps_w: the token weight w is clipped to [1 - eps_w, 1 + eps_w]; in [0, 1).")
+    eps: float = param(1e-6, "Floor of variances, precisions and denominators.")
+    frozen_rho: float | None = param(None, "If set, rho_hat is this value on every batch (the paper's 'frozen "
+                                     "rho = 0.25' ablation); None estimates it from previous batches.")
+    peer_success_threshold: float = param(1.0, "Episode return that makes a trajectory a successful peer; read by "
+                                          "the hindsight scoring (credit_plugins.hindsight.choose_peers), not here.")
+
+    def __post_init__(self):
+        checks = [
+            ("gamma", 0.0 <= self.gamma <= 1.0, "the discount must lie in [0, 1]"),
+            ("step_weight", math.isfinite(self.step_weight), "use a finite weight (1.0 in the paper)"),
+            ("a_reliability", 0.0 < self.a_reliability <= 1.0, "u is a reliability in (0, 1] (0.5 in the paper)"),
+            ("rho_decay", 0.0 <= self.rho_decay < 1.0, "the EMA decay must lie in [0, 1) (0.9 in the paper)"),
+            ("rho_shrink_z", 0.0 <= self.rho_shrink_z < math.inf, "kappa must be finite and >= 0 (2.33)"),
+            ("lam0", 0.0 <= self.lam0 <= 1.0, "lambda_0 must lie in [0, 1] (0.5 in the paper)"),
+            ("clip_eps", 0.0 <= self.clip_eps < 1.0, "eps_w must lie in [0, 1) so the weight stays > 0 (0.2)"),
+            ("eps", self.eps > 0, "it must be > 0 so a zero variance does not divide by zero"),
+            ("peer_success_threshold", math.isfinite(self.peer_success_threshold), "use a finite return (1.0)"),
+        ]
+        for name, ok, fix in checks:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r}; {fix}")
+        if isinstance(self.warmdown_steps, bool) or not isinstance(self.warmdown_steps, int) or self.warmdown_steps < 0:
+            raise ValueError(f"warmdown_steps={self.warmdown_steps!r}; give the number of batches (an int >= 0, "
+                             f"100 in the paper) over which lambda decays to 0")
+        if self.episode_stats not in EPISODE_STATS:
+            raise ValueError(f"episode_stats={self.episode_stats!r}; choose one of {EPISODE_STATS}")
+        if self.frozen_rho is not None and not 0.0 <= self.frozen_rho <= 1.0:
+            raise ValueError(f"frozen_rho={self.frozen_rho!r}; use None (estimate rho) or a value in [0, 1] "
+                             f"(0.25 in the paper's ablation)")
+
+
+# ---- scalar schedule pieces ----------------------------------------------------------------------------------
+def c_star(rho_hat: float, u: float) -> float:
+    """Global trust in the environment's step estimate, ``u (u - q) / (u^2 - 2 u q + q)``, q = min(rho^2, u(1-1e-6)).
+
+    From A^S = T + e_S, A^O = a T + e_O with Var(A^S) = Var(A^O) = s^2, u = Var(T)/s^2 and rho = a u:
+    c* = prec_S / (prec_S + a^2 prec_O). rho -> 0 gives 1, u -> 1 gives 1, rho^2 -> u gives 0.
+    """
+    u = min(max(float(u), 1e-3), 1.0)
+    q = min(min(max(float(rho_hat), 0.0), 1.0) ** 2, u * (1.0 - 1e-6))
+    den = u * u - 2.0 * u * q + q
+    return 1.0 if den <= 0 else min(max(u * (u - q) / den, 0.0), 1.0)
+
+
+def shrunk_rho(rho_ema: float | None, n_prev: int, decay: float, z: float) -> float:
+    """``max(0, rhobar - z / sqrt(max(n_prev, 1) max(1/(1-decay), 1)))``; 0 before the first measurement."""
+    if rho_ema is None:
+        return 0.0
+    n = max(int(n_prev), 1) * max(1.0 / max(1.0 - decay, 1e-9), 1.0)
+    return max(0.0, float(rho_ema) - z / max(math.sqrt(n), 1e-9))
+
+
+def lambda_at(m: int, lam0: float, warmdown_steps: int) -> float:
+    """``lam0 max(1 - m / T_decay, 0)``; 0 for m >= T_decay (and for T_decay = 0)."""
+    if m >= warmdown_steps:
+        return 0.0
+    return lam0 * (1.0 - m / warmdown_steps)
+
+
+# ---- inputs ------------------------------------------------------------------------------------------------------
+def token_inputs(steps: StepTable) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validated ``(delta, mask)``: delta ``[S, L]`` float64 = lp_teacher - lp_old on mask tokens (0 off mask), mask
+    ``[S, L]`` bool; sorted order."""
+    steps.require(*EXTRAS, by="estimator 'uniopsd'")
+    lp_old, lp_teacher, mask = (steps.extra(name) for name in EXTRAS)
+    if lp_old.ndim != 2:
+        raise ValueError(f"extras['lp_old'] has shape {tuple(lp_old.shape)}; UniOPSD needs [S, L] per-token "
+                         f"log-probs (one row per step, right-padded response tokens)")
+    for name, x in (("lp_teacher", lp_teacher), ("token_mask", mask)):
+        if tuple(x.shape) != tuple(lp_old.shape):
+            raise ValueError(f"extras[{name!r}] has shape {tuple(x.shape)} but extras['lp_old'] has "
+                             f"{tuple(lp_old.shape)}; lp_old, lp_teacher and token_mask must all be [S, L] over the "
+                             f"same response tokens")
+    if mask.dtype != torch.bool:
+        if mask.is_complex():
+            raise ValueError("extras['token_mask'] is complex; give 0/1 or bool per token")
+        bad = ~((mask == 0) | (mask == 1))
+        if bool(bad.any()):
+            raise ValueError(f"extras['token_mask'] has {int(bad.sum())} value(s) other than 0/1 (e.g. "
+                             f"{float(mask[bad][0])}); give 0/1 or bool, 1 on trainable response tokens")
+        mask = mask == 1
+    out = []
+    for name, x in (("lp_old", lp_old), ("lp_teacher", lp_teacher)):
+        x = x.to(torch.float64)
+        bad = mask & ~torch.isfinite(x)
+        if bool(bad.any()):
+            raise ValueError(f"extras[{name!r}] has {int(bad.sum())} NaN/inf value(s) on mask tokens; recompute the "
+                             f"log-probs in float32 (or mask those tokens out in token_mask)")
+        out.append(x)
+    delta = torch.where(mask, out[1] - out[0], torch.zeros((), dtype=torch.float64))
+    return delta, mask
+
+
+# ---- the per-batch pieces ------------------------------------------------------------------------------------
+def anchor_spread(values: torch.Tensor, anchor: torch.Tensor, n_anchor: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[S] ``(n_g, constant_g)`` of each row's anchor group: its size and whether its values agree within rounding."""
+    n = torch.bincount(anchor, minlength=n_anchor).to(torch.float64)
+    hi = torch.full((n_anchor,), -math.inf, dtype=torch.float64).scatter_reduce(0, anchor, values, "amax")
+    lo = torch.full((n_anchor,), math.inf, dtype=torch.float64).scatter_reduce(0, anchor, values, "amin")
+    constant = (hi - lo) <= CONST_RTOL * (1.0 + torch.maximum(hi.abs(), lo.abs()))
+    return n[anchor], constant[anchor]
+
+
+def anchor_variance(values: torch.Tensor, anchor: torch.Tensor, n_anchor: int) -> torch.Tensor:
+    """[S] unbiased (n - 1) variance of each row's anchor group (0 for a singleton); two-pass."""
+    count = torch.bincount(anchor, minlength=n_anchor).to(torch.float64)
+    mean = segment_sum(values, anchor, n_anchor) / count.clamp(min=1)
+    dev = values - mean[anchor]
+    return (segment_sum(dev * dev, anchor, n_anchor) / (count - 1).clamp(min=1))[anchor]
+
+
+def anchor_centred(values: torch.Tensor, anchor: torch.Tensor, n_anchor: int) -> torch.Tensor:
+    """[S] ``x_k - mean_{g(k)} x``."""
+    count = torch.bincount(anchor, minlength=n_anchor).to(torch.float64)
+    return values - (segment_sum(values, anchor, n_anchor) / count.clamp(min=1))[anchor]
+
+
+def scale_match(a_step: torch.Tensor, d: torch.Tensor, taught: torch.Tensor, eps: float) -> float:
+    """s = std_T(A^S) / (std_T(d) + eps) on the taught rows T; 0 if |T| <= 1 or std_T(d) <= eps."""
+    if int(taught.sum()) <= 1:
+        return 0.0
+    s_d = float(d[taught].std())
+    if not s_d > eps:
+        return 0.0
+    return float(a_step[taught].std()) / (s_d + eps)
+
+
+def median_normalised(prec: torch.Tensor, own: torch.Tensor, both: torch.Tensor, eps: float) -> torch.Tensor:
+    """``prec / max(median, eps)`` on ``own`` rows (0 elsewhere); lower median over ``both``, else ``own``, else 1."""
+    pool = both if bool(both.any()) else own
+    med = float(prec[pool].median()) if bool(pool.any()) else 1.0
+    return torch.where(own, prec / max(med, eps), torch.zeros_like(prec))
+
+
+def reliability(cstar: float, z_s: torch.Tensor, z_o: torch.Tensor, both: torch.Tensor, taught: torch.Tensor,
+                eps: float) -> torch.Tensor:
+    """[S] c_k: arbitration on both-evidence rows, c* on vacuum rows (taught, no step evidence), 1 untaught."""
+    if cstar >= C_STAR_ONE:
+        return torch.ones_like(z_s)
+    a = cstar / (1.0 - cstar)
+    num = a * z_s
+    den = num + z_o
+    arbitrated = torch.where(den > 0, num / den.clamp(min=eps), torch.ones_like(den))
+    c = torch.where(both, arbitrated, torch.where(taught, torch.full_like(z_s, cstar), torch.ones_like(z_s)))
+    return c.clamp(0.0, 1.0)
+
+
+def varies(x: torch.Tensor) -> bool:
+    """``x`` is not constant beyond rounding (relative spread > 1e-12)."""
+    if x.numel() < 2:
+        return False
+    hi, lo = float(x.max()), float(x.min())
+    return hi - lo > VARY_RTOL * (1.0 + max(abs(hi), abs(lo)))
+
+
+def pearson(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Pearson correlation with population stds (callers ensure both vary)."""
+    ac, bc = a - a.mean(), b - b.mean()
+    return float((ac * bc).mean() / (a.std(unbiased=False) * b.std(unbiased=False)))
+
+
+# ---- one batch ---------------------------------------------------------------------------------------------------
+@dataclass
+class UniOPSDTerms:
+    """Every intermediate of one batch (sorted order; [S] unless noted), for tests and diagnostics."""
+
+    advantage: torch.Tensor      # [S, L] float64
+    a_episode: torch.Tensor
+    a_step: torch.Tensor         # omega A^S
+    a_opsd: torch.Tensor         # A^O
+    fused: torch.Tensor          # F
+    c: torch.Tensor
+    taught: torch.Tensor
+    has_step: torch.Tensor
+    both: torch.Tensor
+    z_s: torch.Tensor
+    z_o: torch.Tensor
+    delta: torch.Tensor          # [S, L], 0 off mask
+    mask: torch.Tensor           # [S, L] bool
+    scale: float
+    rho_hat: float
+    c_star: float
+    lam: float
+    m: int
+    corr: float | None           # rho_m, None when not measurable
+
+
+def initial_state(p: UniOPSDParams | None = None) -> dict[str, Any]:
+    return {"step": 0, "rho_ema": None, "n_prev": 0}
+
+
+def uniopsd_terms(steps: StepTable, p: UniOPSDParams, state: dict[str, Any]) -> tuple[UniOPSDTerms, dict[str, Any]]:
+    """One batch from ``state``: the terms and the state after it."""
+    steps.require("state", by="estimator 'uniopsd'")
+    delta, mask = token_inputs(steps)
+    anchor, n_anchor = steps.anchor
+
+    # outcome tiers (GiGPO); A^S is 0 exactly where the anchor group has no return spread
+    ret = steps.reward_to_go(p.gamma)
+    n_k, constant = anchor_spread(ret, anchor, n_anchor)
+    a_episode = episode_advantage(steps, norm_std=p.norm_std, eps=p.eps, episode_stats=p.episode_stats)
+    a_step = p.step_weight * step_advantage(steps, gamma=p.gamma, norm_std=p.norm_std, eps=p.eps)
+    a_step = torch.where(constant, torch.zeros_like(a_step), a_step)
+
+    # teacher step estimate, centred in the same anchor group and scale-matched on the taught rows
+    n_tok = mask.sum(dim=1).to(torch.float64).clamp(min=1.0)
+    dbar = delta.sum(dim=1) / n_tok
+    delta_var = (torch.where(mask, delta - dbar[:, None], 0.0) ** 2).sum(dim=1) / n_tok
+    taught = delta.abs().sum(dim=1) > 0
+    d = anchor_centred(dbar, anchor, n_anchor)
+    scale = scale_match(a_step, d, taught, p.eps)
+    a_opsd = scale * d
+
+    # evidence sets and median-normalised precisions
+    has_step = (n_k >= 2) & ~constant
+    both = has_step & taught
+    r_var = anchor_variance(ret, anchor, n_anchor)
+    prec_s = torch.where(has_step, n_k / r_var.clamp(min=p.eps), torch.zeros_like(r_var))
+    prec_o = torch.where(taught, 1.0 / (delta_var / n_tok * scale * scale).clamp(min=p.eps), torch.zeros_like(r_var))
+    z_s = median_normalised(prec_s, has_step, both, p.eps)
+    z_o = median_normalised(prec_o, taught, both, p.eps)
+
+    # global trust from previous batches, per-row reliability, fused step credit
+    rho_hat = (float(p.frozen_rho) if p.frozen_rho is not None
+               else shrunk_rho(state["rho_ema"], state["n_prev"], p.rho_decay, p.rho_shrink_z))
+    cstar = c_star(rho_hat, p.a_reliability)
+    c = reliability(cstar, z_s, z_o, both, taught, p.eps)
+    fused = c * a_step + (1.0 - c) * a_opsd
+
+    # bounded token modulation
+    m = int(state["step"]) + 1
+    lam = lambda_at(m, p.lam0, p.warmdown_steps)
+    w = torch.exp(torch.sign(fused)[:, None] * delta).clamp(1.0 - p.clip_eps, 1.0 + p.clip_eps)
+    advantage = torch.where(mask, a_episode[:, None] + fused[:, None] * ((1.0 - lam) + lam * w), 0.0)
+
+    # the correlation EMA for the next batch
+    corr = None
+    if int(both.sum()) > 1 and varies(a_step[both]) and varies(a_opsd[both]):
+        corr = pearson(a_step[both], a_opsd[both])
+    new_state = {"step": m, "rho_ema": state["rho_ema"], "n_prev": int(state["n_prev"])}
+    if corr is not None:
+        ema = state["rho_ema"]
+        new_state["rho_ema"] = corr if ema is None else p.rho_decay * float(ema) + (1.0 - p.rho_decay) * corr
+        new_state["n_prev"] = int(both.sum())
+    terms = UniOPSDTerms(advantage=advantage, a_episode=a_episode, a_step=a_step, a_opsd=a_opsd, fused=fused, c=c,
+                         taught=taught, has_step=has_step, both=both, z_s=z_s, z_o=z_o, delta=delta, mask=mask,
+                         scale=scale, rho_hat=rho_hat, c_star=cstar, lam=lam, m=m, corr=corr)
+    return terms, new_state
+
+
+def batch_stats(terms: UniOPSDTerms, p: UniOPSDParams, state: dict[str, Any]) -> dict[str, float]:
+    """The §7.3 diagnostics of one batch (see the module docstring)."""
+    def frac(x: torch.Tensor, over: torch.Tensor | None = None) -> float:
+        x = x if over is None else x[over]
+        return float(x.to(torch.float64).mean()) if x.numel() else 0.0
+
+    t = terms
+    mask = t.mask
+    both = t.both
+    w_raw = torch.exp(torch.sign(t.fused)[:, None] * t.delta)
+    saturated = (w_raw <= 1.0 - p.clip_eps) | (w_raw >= 1.0 + p.clip_eps)
+    stats = {
+        "corr": t.corr if t.corr is not None else 0.0,
+        "corr_measured": float(t.corr is not None),
+        "sign_disagree": frac(torch.sign(t.a_step[both]) != torch.sign(t.a_opsd[both])),
+        "both_coverage": frac(both),
+        "taught_frac": frac(t.taught),
+        "c_mean": frac(t.c),
+        "c_frac_mid": frac((t.c > 0.1) & (t.c < 0.9)),
+        "clip_saturation_frac": frac(saturated, mask),
+        "dead_token_frac": frac(t.advantage == 0, mask),
+        "opsd_rescue_frac": frac((t.a_step == 0) & (t.fused != 0)),
+        "opsd_scale": t.scale,
+        "teacher_kl": frac(-t.delta, mask),
+        "gap_abs_mean": frac(t.delta.abs(), mask),
+        "lambda": t.lam,
+        "rho_hat": t.rho_hat,
+        "c_star": t.c_star,
+        "step": float(t.m),
+    }
+    if state["rho_ema"] is not None:
+        stats["rho_ema"] = float(state["rho_ema"])
+    return {f"uniopsd/{k}": float(v) for k, v in stats.items()}
+
+
+class UniOPSD:
+    """UniOPSD with its cross-batch state. ``est = UniOPSD(lam0=0.5)`` (or ``get("uniopsd").create(...)``), then
+    ``adv = est(steps)`` once per training batch (``[S, L]`` float32, input order); ``est.state_dict()`` goes into
+    the checkpoint. After each call :attr:`stats` holds the §7.3 diagnostics (``uniopsd/...``).
+    """
+
+    STATE_DOC = "the correlation EMA rhobar of A^S and A^O with its row count n_prev (trust c*) and the batch counter m"
+    STATE_KEYS = ("step", "rho_ema", "n_prev")
+
+    def __init__(self, params: UniOPSDParams | None = None, **values: Any):
+        if params is not None and values:
+            raise ValueError("UniOPSD: pass either a UniOPSDParams or keyword parameters, not both")
+        self.params = params if params is not None else make_params(UniOPSDParams, values,
+                                                                    owner="estimator 'uniopsd'")
+        self._state = initial_state(self.params)
+        self.stats: dict[str, float] = {}
+        self.last_terms: UniOPSDTerms | None = None
+
+    def __call__(self, steps: StepTable) -> torch.Tensor:
+        """Token advantages ``[S, L]`` float32 in the rows' input order; advances the state by one batch."""
+        with torch.no_grad():
+            terms, new_state = uniopsd_terms(steps, self.params, self._state)
+        self._state = new_state
+        self.last_terms = terms
+        self.stats = batch_stats(terms, self.params, new_state)
+        return steps.to_input_order(terms.advantage).to(torch.float32)
+
+    def state_dict(self) -> dict[str, Any]:
+        s = self._state
+        return {"step": int(s["step"]), "rho_ema": None if s["rho_ema"] is None else float(s["rho_ema"]),
+                "n_prev": int(s["n_prev"])}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = [k for k in self.STATE_KEYS if k not in state]
+        extra = sorted(set(state) - set(self.STATE_KEYS))
+        if missing or extra:
+            raise ValueError(f"UniOPSD.load_state_dict: missing keys {missing}, unexpected keys {extra}; expected "
+                             f"{list(self.STATE_KEYS)} (a dict from UniOPSD.state_dict())")
+        step, rho, n_prev = state["step"], state["rho_ema"], state["n_prev"]
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise ValueError(f"UniOPSD.load_state_dict: step={step!r}; it is the number of batches seen, an int >= 0")
+        if isinstance(n_prev, bool) or not isinstance(n_prev, numbers.Integral) or n_prev < 0:
+            raise ValueError(f"UniOPSD.load_state_dict: n_prev={n_prev!r}; it is a row count, an int >= 0")
+        if rho is not None and not (isinstance(rho, (int, float)) and -1.0 <= float(rho) <= 1.0):
+            raise ValueError(f"UniOPSD.load_state_dict: rho_ema={rho!r}; it is a correlation in [-1, 1], or None "
+                             f"before the first measurement")
+        self._state = {"step": int(step), "rho_ema": None if rho is None else float(rho), "n_prev": int(n_prev)}
+
+    def reset(self) -> None:
+        """Back to the initial state (as after construction)."""
+        self._state = initial_state(self.params)
+
+    def __repr__(self) -> str:
+        return f"UniOPSD(step={self._state['step']}, rho_ema={self._state['rho_ema']})"
+
+
+def uniopsd(steps: StepTable, p: UniOPSDParams) -> torch.Tensor:
+    """One batch from the initial state (what a fresh :class:`UniOPSD` returns on its first call), sorted order."""
+    return uniopsd_terms(steps, p, initial_state(p))[0].advantage
+
+
+ESTIMATOR = Estimator(
+    name="uniopsd",
+    fn=uniopsd,
+    params=UniOPSDParams,
+    paper="UniOPSD: Unified On-Policy Self-Distillation (arXiv:2609.34810); code Zenghuang-Fu/Uniopsd",
+    formula=textwrap.dedent(__doc__.split("\n\n")[2]) + "\nextras: lp_old, lp_teacher [S, L] float; token_mask "
+                                                        "[S, L] 0/1 or bool",
+    requires=("state", "lp_old", "lp_teacher", "token_mask"),
+    output="token",
+    stateful=UniOPSD,
+)
