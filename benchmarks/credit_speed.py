@@ -7,6 +7,13 @@ The batch is ALFWorld-shaped: groups of 8 rollouts from one initial state, each 
 that task's small state graph (so anchors recur across rollouts and within one), about 1/3 successful with the
 10/0 reward at the last step. Keys are int64 (hashing strings is the env adapter's cost, not the estimator's).
 
+A second table times the estimators that read rollout-specific extras, each on a batch of its own layout with
+about S rows, and prints the ratio to GiGPO on the flat batch of the same S in the same run (no per-row reference
+exists for them here; their tests compare them with one): ``uniopsd`` / ``alignopsd`` (turn rows of the ALFWorld
+batch with L = 64 token log-probs, the hindsight gap on the failed trajectories of groups with a success, D = 64
+embeddings, AlignOPSD with its K = 3 cross passes), ``asct`` (decision rows with 4 legal actions), ``sipo`` /
+``at2po`` / ``treerl`` / ``tree_grpo`` (trees of 4 chains + 4 forks over 8-step chains, ~48 nodes each).
+
 Columns: time of the vectorised estimator (the StepTable is built once beforehand, its build time is printed
 separately), rows per second, time of the per-row Python reference on the same batch (above --naive-limit rows,
 it runs on a prefix of whole groups and is scaled linearly, marked '~'), the ratio, peak extra memory, and the
@@ -101,6 +108,105 @@ class PeakRSS:
         self.extra_mb = (self.peak - self.base) / 2**20
 
 
+def hindsight_batch(n_rows: int, seed: int = 0, L: int = 64, D: int = 64, align: bool = False):
+    """StepTable kwargs for UniOPSD / AlignOPSD: the ALFWorld batch's rows as turns, token log-probs and embeddings."""
+    import torch
+
+    cols = alfworld_like_batch(n_rows, seed)
+    rng = np.random.default_rng(seed + 1)
+    S = len(cols["traj"])
+    lengths = rng.integers(8, L + 1, size=S)
+    mask = (np.arange(L)[None, :] < lengths[:, None]).astype(np.float32)
+    logp_old = -rng.exponential(1.0, size=(S, L)).astype(np.float32)
+    group_success = np.zeros(cols["group"].max() + 1, dtype=bool)
+    np.logical_or.at(group_success, cols["group"], cols["success"])
+    taught = group_success[cols["group"]] & ~cols["success"]
+    logp_teacher = logp_old + np.where(taught[:, None], rng.normal(0, 0.5, size=(S, L)), 0).astype(np.float32)
+    extras = {"logp_old": torch.from_numpy(logp_old), "logp_teacher": torch.from_numpy(logp_teacher),
+              "response_mask": torch.from_numpy(mask)}
+    if align:
+        # turns of one task share a direction (plus the state's), so sources pass tau_sim = 0.7
+        task = rng.normal(size=(cols["group"].max() + 1, D))[cols["group"]]
+        state = rng.normal(size=(60, D))[cols["state"] % 60]
+        student = task + 0.5 * state + 0.3 * rng.normal(size=(S, D))
+        extras["emb_student"] = torch.from_numpy(student.astype(np.float32))
+        extras["emb_teacher"] = torch.from_numpy((student + 0.3 * rng.normal(size=(S, D))).astype(np.float32))
+    cols = {k: v for k, v in cols.items() if k != "extras"}
+    cols["extras"] = extras
+    if align:
+        from credit_plugins.estimators import alignopsd
+
+        src, _ = alignopsd.select_sources(cp.StepTable(**cols))
+        extras["cross_src"] = src
+        extras["logp_cross"] = torch.from_numpy(logp_old)[:, None, :].expand(S, src.shape[1], L).clone() + 0.1
+    return cols
+
+
+def decision_batch(n_rows: int, seed: int = 0, A: int = 4):
+    """StepTable kwargs for ASCT: the ALFWorld batch's rows as decisions with A legal actions."""
+    cols = alfworld_like_batch(n_rows, seed)
+    rng = np.random.default_rng(seed + 2)
+    S = len(cols["traj"])
+    p = rng.dirichlet(np.ones(A), size=S)
+    cols["extras"] = {"legal_p": p, "legal_mask": np.ones((S, A), dtype=bool), "q": rng.random((S, A)),
+                      "chosen": rng.integers(0, A, size=S)}
+    return cols
+
+
+def tree_batch(n_rows: int, seed: int = 0, chain: int = 8, initial: int = 4, forks: int = 4):
+    """StepTable kwargs for the tree estimators: trees of ``initial`` chains + ``forks`` forks (numpy, no row loop)."""
+    rng = np.random.default_rng(seed + 3)
+    per_tree = (initial + forks) * chain
+    n_trees = max(1, n_rows // per_tree)
+    # chains: node k of chain c has parent k-1 (root child at k = 0); a fork starts below a random node of a chain
+    k = np.tile(np.arange(chain), initial + forks)
+    c = np.repeat(np.arange(initial + forks), chain)
+    local = c * chain + k
+    parent_local = np.where(k == 0, -1, local - 1)
+    fork_at = rng.integers(1, chain, size=(n_trees, forks))              # fork f replaces chain (f % initial) from depth d
+    tree = np.repeat(np.arange(n_trees), per_tree)
+    node = tree * per_tree + np.tile(local, n_trees)
+    parent = np.where(np.tile(parent_local, n_trees) >= 0, tree * per_tree + np.tile(parent_local, n_trees), -1)
+    fork_rows = np.tile(c >= initial, n_trees) & (np.tile(k, n_trees) == 0)
+    f = np.tile(c - initial, n_trees)[fork_rows]
+    d = fork_at[tree[fork_rows], f]
+    host = tree[fork_rows] * per_tree + (f % initial) * chain + d - 1     # the forked node's parent in a chain
+    parent[fork_rows] = host
+    is_leaf = np.tile(k == chain - 1, n_trees)
+    S = node.size
+    return dict(group=tree, traj=node, t=np.zeros(S, dtype=np.int64),
+                reward=np.where(is_leaf, (rng.random(S) < 0.4) * 10.0, 0.0),
+                extras={"parent": parent, "surprisal": rng.exponential(1.0, S), "fresh": fork_rows,
+                        "sel_rank": np.where(~is_leaf, rng.integers(1, 20, S), -1),
+                        "sel_ncand": np.where(~is_leaf, 20, 0), "selected": ~is_leaf & (rng.random(S) < 0.1)})
+
+
+EXTENDED = {"uniopsd": lambda n: hindsight_batch(n), "alignopsd": lambda n: hindsight_batch(n, align=True),
+            "asct": decision_batch, "sipo": tree_batch, "at2po": tree_batch, "treerl": tree_batch,
+            "tree_grpo": tree_batch}
+
+
+def run_extended(sizes, repeat: int, names=None) -> None:
+    """The rollout-specific estimators against GiGPO on the flat batch of the same size (see the module doc)."""
+    names = [n for n in (names or EXTENDED) if n in EXTENDED and n in cp.available()]
+    if not names:
+        return
+    print(f"\n{'estimator':<10} {'S':>9} {'time s':>8} {'rows/s':>11} {'gigpo s':>8} {'vs gigpo':>9} {'step %':>8}")
+    for size in sizes:
+        flat = cp.StepTable(**alfworld_like_batch(size))
+        base = best_of(lambda: run_estimator("gigpo", flat), repeat)
+        for name in names:
+            if name in ("uniopsd", "alignopsd") and size > 100_000:
+                continue  # [S, 64] blocks of 1e6 rows do not fit this machine's budget for a benchmark
+            steps = cp.StepTable(**EXTENDED[name](size))
+            run_estimator(name, steps)
+            fast = best_of(lambda: run_estimator(name, steps), repeat)
+            n = steps.n_steps
+            share = 100 * fast / (STEP_SECONDS * n / STEP_ROWS)
+            print(f"{name:<10} {n:>9} {fast:>8.3f} {n / fast:>11.3g} {base:>8.3f} {fast / base:>8.1f}x "
+                  f"{share:>7.4f}%", flush=True)
+
+
 def naive_functions():
     """Per-row references by estimator name (the graph methods come from their own modules when present)."""
     from benchmarks import naive_gigpo
@@ -141,14 +247,14 @@ def run_estimator(name, steps):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
-    parser.add_argument("--estimators", nargs="+", default=None, help="default: every registered step estimator")
+    parser.add_argument("--estimators", nargs="+", default=None, help="default: every registered estimator")
     parser.add_argument("--repeat", type=int, default=3, help="best of N runs of the vectorised estimator")
     parser.add_argument("--naive-limit", type=int, default=1_000_000,
                         help="run the per-row reference on at most this many rows and scale linearly above")
     args = parser.parse_args(argv)
 
     naive = naive_functions()
-    names = args.estimators or [n for n in cp.available() if n in naive]
+    names = [n for n in (args.estimators or cp.available()) if n in naive]
     print(f"{'estimator':<10} {'S':>9} {'build s':>8} {'time s':>8} {'rows/s':>11} {'per-row s':>10} "
           f"{'ratio':>8} {'peak MB':>8} {'step %':>8}")
     for size in args.sizes:
@@ -173,6 +279,7 @@ def main(argv=None):
             share = 100 * fast / (STEP_SECONDS * n / STEP_ROWS)
             print(f"{name:<10} {n:>9} {build:>8.3f} {fast:>8.3f} {n / fast:>11.3g} {mark}{slow:>9.2f} "
                   f"{slow / fast:>7.0f}x {mem.extra_mb:>8.0f} {share:>7.4f}%", flush=True)
+    run_extended(args.sizes, args.repeat, args.estimators)
 
 
 if __name__ == "__main__":

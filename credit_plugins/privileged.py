@@ -10,11 +10,11 @@ read, for a TRL generation batch in the one-row-per-turn layout (``env_adapters.
   (:func:`credit_plugins.hindsight.peer_prefix`) inserted at the start of the row's **last user message** (after
   ``<|im_start|>user\\n``; at the very start when the template has no such marker). [R] The authors' code prepends
   the prefix to the decoded prompt text; with a chat template that would put it before the system turn;
-* ``lp_old`` / ``lp_teacher`` ``[B, T]``: log-probs of the sampled response tokens under the row's own prompt and
+* ``logp_old`` / ``logp_teacher`` ``[B, T]``: log-probs of the sampled response tokens under the row's own prompt and
   under its hindsight prompt, from one batched no-grad forward each, with the current weights (the "teacher" is the
   behaviour policy itself), at the sampling temperature, with position ids that ignore the left padding. Rows
-  without a peer are not re-scored: their ``lp_teacher`` is ``lp_old`` (δ = 0, "untaught");
-* for AlignOPSD also ``emb_student`` / ``emb_teacher`` ``[B, D]`` and the cross passes ``lp_cross`` ``[B, K, T]``.
+  without a peer are not re-scored: their ``logp_teacher`` is ``logp_old`` (δ = 0, "untaught");
+* for AlignOPSD also ``emb_student`` / ``emb_teacher`` ``[B, D]`` and the cross passes ``logp_cross`` ``[B, K, T]``.
   [R] AlignOPSD embeds a *freely generated* teacher response's thinking with a frozen Qwen3-Embedding-0.6B; neither
   the encoder nor a second generation per turn fit a CPU run, so the embeddings here are the policy's last hidden
   states mean-pooled over the response tokens, under the student prompt and under the teacher (hindsight) prompt,
@@ -147,18 +147,18 @@ def hindsight_extras(trainer, output: dict[str, Any], steps: StepTable, local_ro
     was_training = model.training
     model.eval()
     try:
-        lp_old, emb_s = score_tokens(model, student_prompts, completion_ids, completion_mask, temperature=temperature,
+        logp_old, emb_s = score_tokens(model, student_prompts, completion_ids, completion_mask, temperature=temperature,
                                      batch_size=batch_size, pad_id=pad, with_hidden=align)
-        lp_teacher, emb_t = lp_old.clone(), None if emb_s is None else emb_s.clone()
+        logp_teacher, emb_t = logp_old.clone(), None if emb_s is None else emb_s.clone()
         if taught:
             idx = torch.tensor(taught)
             lp_tau, emb_tau = score_tokens(model, [teacher_prompts[j] for j in taught], completion_ids[idx],
                                            completion_mask[idx], temperature=temperature, batch_size=batch_size,
                                            pad_id=pad, with_hidden=align)
-            lp_teacher[idx] = lp_tau
+            logp_teacher[idx] = lp_tau
             if align and emb_t is not None and emb_tau is not None:
                 emb_t[idx] = emb_tau
-        extras: dict[str, Any] = {"lp_old": lp_old, "lp_teacher": lp_teacher, "token_mask": completion_mask.float()}
+        extras: dict[str, Any] = {"logp_old": logp_old, "logp_teacher": logp_teacher, "response_mask": completion_mask.float()}
         n_pairs = 0
         if align:
             from .estimators import alignopsd
@@ -170,18 +170,18 @@ def hindsight_extras(trainer, output: dict[str, Any], steps: StepTable, local_ro
             src, _ = alignopsd.select_sources(with_emb, params)
             pairs = (src >= 0).nonzero().tolist()
             n_pairs = len(pairs)
-            lp_cross = torch.zeros(len(rows), src.size(1), completion_ids.size(1), dtype=torch.float32)
+            logp_cross = torch.zeros(len(rows), src.size(1), completion_ids.size(1), dtype=torch.float32)
             if pairs:
                 tgt = torch.tensor([p[0] for p in pairs])
                 lp_pairs, _ = score_tokens(model, [teacher_prompts[int(src[a, k])] for a, k in pairs],
                                            completion_ids[tgt], completion_mask[tgt], temperature=temperature,
                                            batch_size=batch_size, pad_id=pad)
                 for n, (a, k) in enumerate(pairs):
-                    lp_cross[a, k] = lp_pairs[n]
-            extras.update(lp_cross=lp_cross, cross_src=src)
+                    logp_cross[a, k] = lp_pairs[n]
+            extras.update(logp_cross=logp_cross, cross_src=src)
     finally:
         model.train(was_training)
-    bad = int((~torch.isfinite(lp_teacher) & completion_mask.bool()).sum())
+    bad = int((~torch.isfinite(logp_teacher) & completion_mask.bool()).sum())
     if bad:
         raise ValueError(f"hindsight scoring ({estimator}): the hindsight-prompt log-probs hold NaN/inf at {bad} "
                          f"response token(s); the policy overflows in its dtype, train it in float32 or bf16 "

@@ -273,7 +273,7 @@ class CreditMixin:
             local_row = torch.tensor([r[1] - rank * n_local for r in all_rows])[mine]
             local_turn = torch.tensor([r[2] for r in all_rows])[mine]
             estimator = registry.get(self.credit)
-            if "lp_teacher" in estimator.requires:
+            if "logp_teacher" in estimator.requires:
                 steps = self._agentcredit_hindsight(output, steps, local_row, extras, local_inputs, mode)
             adv = self._agentcredit(steps).to(torch.float32)
             if adv.dim() == 2:  # per token: each step row is one whole completion row (one-row-per-turn)

@@ -43,23 +43,23 @@ def random_extras(rows, seed, length, dim=3, zero_frac=0.15, noise=0.35, gap_sca
     emb_s[rng.random(s) < zero_frac] = 0.0
     mask = (rng.random((s, length)) < 0.7).astype(np.float32)
     mask[np.arange(s), rng.integers(0, length, s)] = 1.0  # every turn keeps a trainable token
-    lp_old = -rng.exponential(1.0, (s, length))
-    lp_teacher = lp_old + gap_scale * rng.normal(size=(s, length))
-    lp_old[mask == 0] = np.nan  # padding may hold anything; only mask tokens are read
-    return {"lp_old": torch.tensor(lp_old, dtype=torch.float32), "lp_teacher": torch.tensor(lp_teacher),
-            "token_mask": torch.tensor(mask), "emb_teacher": torch.tensor(emb_t, dtype=torch.float32),
+    logp_old = -rng.exponential(1.0, (s, length))
+    logp_teacher = logp_old + gap_scale * rng.normal(size=(s, length))
+    logp_old[mask == 0] = np.nan  # padding may hold anything; only mask tokens are read
+    return {"logp_old": torch.tensor(logp_old, dtype=torch.float32), "logp_teacher": torch.tensor(logp_teacher),
+            "response_mask": torch.tensor(mask), "emb_teacher": torch.tensor(emb_t, dtype=torch.float32),
             "emb_student": torch.tensor(emb_s, dtype=torch.float32)}
 
 
 def with_cross(cols, extras, params, seed):
-    """Add lp_cross / cross_src for exactly the pairs select_sources returns."""
+    """Add logp_cross / cross_src for exactly the pairs select_sources returns."""
     base = cp.StepTable(**cols, extras=extras)
     src, _ = mod.select_sources(base, params)
-    s, length = extras["token_mask"].shape
+    s, length = extras["response_mask"].shape
     rng = np.random.default_rng(seed + 1)
     lp = -rng.exponential(1.0, (s, params.top_k, length))
     lp[src.numpy() < 0] = 0.0
-    return {**extras, "lp_cross": torch.tensor(lp), "cross_src": src}
+    return {**extras, "logp_cross": torch.tensor(lp), "cross_src": src}
 
 
 @st.composite
@@ -122,7 +122,7 @@ def test_defaults_are_the_authors_yaml():
 
 
 # ---- M1: hand-computed -------------------------------------------------------------------------------------------
-def three_rollouts(lp_cross=True, **extra_kw):
+def three_rollouts(logp_cross=True, **extra_kw):
     """Task g, rollouts a, b, c with two turns each; target a0 has student embedding (1, 0).
 
     Teacher embeddings (cosine to (1, 0)): b0 0.9 (scaled by 3: normalisation), b1 0.8, c0 0.75, c1 0.6;
@@ -131,8 +131,8 @@ def three_rollouts(lp_cross=True, **extra_kw):
     rows = [("a", 0), ("a", 1), ("b", 0), ("b", 1), ("c", 0), ("c", 1)]
     stu = [[1.0, 0.0]] + [[0.0, 1.0]] * 5
     tea = [[0.0, 1.0], [0.0, 1.0], unit(0.9, 3.0), unit(0.8), unit(0.75), unit(0.6)]
-    extras = {"lp_old": torch.tensor([[-1.5, -1.0]] * 6), "lp_teacher": torch.tensor([[-2.0, -2.0]] * 6),
-              "token_mask": torch.ones(6, 2), "emb_teacher": torch.tensor(tea, dtype=torch.float64),
+    extras = {"logp_old": torch.tensor([[-1.5, -1.0]] * 6), "logp_teacher": torch.tensor([[-2.0, -2.0]] * 6),
+              "response_mask": torch.ones(6, 2), "emb_teacher": torch.tensor(tea, dtype=torch.float64),
               "emb_student": torch.tensor(stu, dtype=torch.float64)}
     return dict(group=["g"] * 6, traj=[r[0] for r in rows], t=[r[1] for r in rows],
                 reward=[0.0, 1.0, 0.0, 0.0, 0.0, 0.0]), extras
@@ -146,9 +146,9 @@ def test_m1_hand_computed_three_rollouts():
     assert src[0].tolist() == [2, 4, -1]
     assert sim[0].tolist() == pytest.approx([0.9, 0.75, 0.0], abs=1e-6)
     # cross scores of a0's response under b0's and c0's teacher contexts
-    lp_cross = torch.zeros(6, 3, 2)
-    lp_cross[0, 0] = torch.tensor([-1.0, -2.0])
-    lp_cross[0, 1] = torch.tensor([-3.0, -0.5])
+    logp_cross = torch.zeros(6, 3, 2)
+    logp_cross[0, 0] = torch.tensor([-1.0, -2.0])
+    logp_cross[0, 1] = torch.tensor([-3.0, -0.5])
     # omega = softmax([0.9, 0.75] / 0.1) = softmax([9, 7.5]): w_b = 1 / (1 + e^-1.5)
     w_b = 1 / (1 + math.exp(-1.5))
     w_c = 1 - w_b
@@ -159,14 +159,14 @@ def test_m1_hand_computed_three_rollouts():
     logmean = [w_b * -1.0 + w_c * -3.0, w_b * -2.0 + w_c * -0.5]
     for aggregation, cross in (("probability_mixture", mix), ("log_mean", logmean)):
         q = mod.AlignOPSDParams(aggregation=aggregation)
-        steps = cp.StepTable(**cols, extras={**extras, "lp_cross": lp_cross, "cross_src": src})
+        steps = cp.StepTable(**cols, extras={**extras, "logp_cross": logp_cross, "cross_src": src})
         terms = mod.alignopsd_terms(steps, q)
         r = int(steps.inverse[0])  # sorted position of input row 0 (a0)
         assert terms.omega[r, :2].tolist() == pytest.approx([w_b, w_c], rel=1e-9)
         assert float(terms.rho[r]) == pytest.approx(rho, rel=1e-9)
         assert float(terms.alpha[r]) == pytest.approx(alpha, rel=1e-9)
         rect = [(1 - alpha) * -2.0 + alpha * c for c in cross]
-        assert terms.lp_cross[r].tolist() == pytest.approx(cross, rel=1e-9)
+        assert terms.logp_cross[r].tolist() == pytest.approx(cross, rel=1e-9)
         assert terms.lp_rect[r].tolist() == pytest.approx(rect, rel=1e-9)
         assert terms.gap[r].tolist() == pytest.approx([rect[0] + 1.5, rect[1] + 1.0], rel=1e-9)
 
@@ -176,7 +176,7 @@ def test_m1_top_k_one_keeps_the_best_source():
     p = mod.AlignOPSDParams(top_k=1)
     src, sim = mod.select_sources(cp.StepTable(**cols, extras=extras), p)
     assert src[0].tolist() == [2] and float(sim[0, 0]) == pytest.approx(0.9, abs=1e-6)
-    steps = cp.StepTable(**cols, extras={**extras, "lp_cross": torch.full((6, 1, 2), -1.0), "cross_src": src})
+    steps = cp.StepTable(**cols, extras={**extras, "logp_cross": torch.full((6, 1, 2), -1.0), "cross_src": src})
     terms = mod.alignopsd_terms(steps, p)
     r = int(steps.inverse[0])
     # one source: omega = 1, rho = (0.9 - 0.7) / 0.3 = 2/3, alpha = 0.8 * 2/3; rect = (1 - a)(-2) + a(-1)
@@ -190,8 +190,8 @@ def test_m1_two_rollouts_per_rollout_cap_and_eligibility():
     # a1 has empty student thinking (zero row): ineligible target. b1 has empty teacher thinking: never a source.
     stu = [[1.0, 0.0], [0.0, 0.0], unit(0.9), unit(0.9)]
     tea = [[1.0, 0.0], [1.0, 0.0], unit(0.95), [0.0, 0.0]]
-    extras = {"lp_old": torch.full((4, 1), -1.0), "lp_teacher": torch.full((4, 1), -1.0),
-              "token_mask": torch.ones(4, 1), "emb_teacher": torch.tensor(tea, dtype=torch.float64),
+    extras = {"logp_old": torch.full((4, 1), -1.0), "logp_teacher": torch.full((4, 1), -1.0),
+              "response_mask": torch.ones(4, 1), "emb_teacher": torch.tensor(tea, dtype=torch.float64),
               "emb_student": torch.tensor(stu, dtype=torch.float64)}
     steps = cp.StepTable(group=[0] * 4, traj=[0, 0, 1, 1], t=[0, 1, 0, 1], reward=[0, 1, 0, 0], extras=extras)
     src, sim = mod.select_sources(steps, top_k=2)
@@ -200,7 +200,7 @@ def test_m1_two_rollouts_per_rollout_cap_and_eligibility():
     # b0, b1 (student (0.9, .)) see a0 and a1 teachers (1, 0): H = 0.9 each, one per rollout -> a0 (lower t)
     assert src[2].tolist() == [0, -1] and src[3].tolist() == [0, -1]
     assert sim[2, 0].item() == pytest.approx(0.9, abs=1e-6)
-    # without lp_cross (ablation A) alpha = 0 although sources exist; rho is still the confidence
+    # without logp_cross (ablation A) alpha = 0 although sources exist; rho is still the confidence
     terms = mod.alignopsd_terms(steps, mod.AlignOPSDParams(top_k=2))
     assert torch.all(terms.alpha == 0)
     r = int(steps.inverse[0])
@@ -213,7 +213,7 @@ def test_no_source_gives_alpha_zero():
     p = mod.AlignOPSDParams(tau_sim=0.95)  # above every similarity of a0 and a1; b, c rows see a's teachers at H = 1
     src, _ = mod.select_sources(cp.StepTable(**cols, extras=extras), p)
     assert src[:2].tolist() == [[-1, -1, -1]] * 2 and src[2:, 0].tolist() == [0, 0, 0, 0]
-    steps = cp.StepTable(**cols, extras={**extras, "lp_cross": torch.full((6, 3, 2), -9.0), "cross_src": src})
+    steps = cp.StepTable(**cols, extras={**extras, "logp_cross": torch.full((6, 3, 2), -9.0), "cross_src": src})
     terms = mod.alignopsd_terms(steps, p)
     alpha, rho = steps.to_input_order(terms.alpha), steps.to_input_order(terms.rho)
     rect = steps.to_input_order(terms.lp_rect)
@@ -305,8 +305,8 @@ def test_profiles_and_boundary_validity_hand_computed():
     # b's only source is c0: b0 = (.8, .6) has H = 1 (valid), b1 = (-.6, .8) has H = 0 < .7 (invalid profile).
     tea = [[0.0, 0.0], [0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.8, 0.6]]
     stu = [[1.0, 0.0], [0.0, 1.0], [0.8, 0.6], [-0.6, 0.8], [1.0, 0.0]]
-    extras = {"lp_old": torch.full((5, 1), -1.0), "lp_teacher": torch.full((5, 1), -1.0),
-              "token_mask": torch.ones(5, 1), "emb_teacher": torch.tensor(tea, dtype=torch.float64),
+    extras = {"logp_old": torch.full((5, 1), -1.0), "logp_teacher": torch.full((5, 1), -1.0),
+              "response_mask": torch.ones(5, 1), "emb_teacher": torch.tensor(tea, dtype=torch.float64),
               "emb_student": torch.tensor(stu, dtype=torch.float64)}
     steps = cp.StepTable(group=[0] * 5, traj=["a", "a", "b", "b", "c"], t=[0, 1, 0, 1, 0], reward=[0] * 5,
                          extras=extras)
@@ -460,10 +460,10 @@ def two_turn_batch():
     """Rollout a (R = 1): turn 0 has 1 token with gap ln 3, turn 1 has 3 tokens with gap 0; rollout b (R = 0): the
     same gaps. No cross scores, empty thinking everywhere (no profiles)."""
     mask = torch.tensor([[1, 0, 0], [1, 1, 1]] * 2, dtype=torch.float32)
-    lp_old = torch.full((4, 3), -1.0, dtype=torch.float64)
-    lp_teacher = lp_old.clone()
-    lp_teacher[[0, 2], 0] += math.log(3)
-    extras = {"lp_old": lp_old, "lp_teacher": lp_teacher, "token_mask": mask, "emb_teacher": torch.zeros(4, 2),
+    logp_old = torch.full((4, 3), -1.0, dtype=torch.float64)
+    logp_teacher = logp_old.clone()
+    logp_teacher[[0, 2], 0] += math.log(3)
+    extras = {"logp_old": logp_old, "logp_teacher": logp_teacher, "response_mask": mask, "emb_teacher": torch.zeros(4, 2),
               "emb_student": torch.zeros(4, 2)}
     return cp.StepTable(group=[0] * 4, traj=["a", "a", "b", "b"], t=[0, 1, 0, 1], reward=[0, 1, 0, 0],
                         extras=extras)
@@ -541,7 +541,7 @@ def _per_traj_sum(steps, values):
 def test_budget_band_sign_and_shape(batch, p):
     steps = table_for(batch, p)
     terms = mod.alignopsd_terms(steps, p)
-    mask = steps.extra("token_mask") != 0
+    mask = steps.extra("response_mask") != 0
     assert bool(torch.isfinite(terms.advantage).all()) and bool((terms.advantage[~mask] == 0).all())
     if "valid" not in batch[1]:
         assert torch.all(terms.residual == 0)
@@ -586,7 +586,7 @@ def test_flat_token_conserves_the_token_budget(batch, projection, t_c):
     p = mod.AlignOPSDParams(allocation="flat_token", projection=projection, t_c=t_c)
     steps = table_for(batch, p)
     terms = mod.alignopsd_terms(steps, p)
-    mask = steps.extra("token_mask") != 0
+    mask = steps.extra("response_mask") != 0
     tw = terms.token_weight
     per_row = (tw * mask).sum(1)
     assert torch.allclose(_per_traj_sum(steps, per_row), _per_traj_sum(steps, terms.n_tokens), rtol=0, atol=1e-9)
@@ -600,7 +600,7 @@ def test_flat_token_conserves_the_token_budget(batch, projection, t_c):
        st.sampled_from(["hierarchical", "flat_turn", "flat_token", "random"]), st.booleans())
 def test_zero_evidence_is_plain_grpo(batch, scope, allocation, norm_std):
     cols, extras, _, seed = batch
-    extras = {**extras, "lp_teacher": extras["lp_old"].clone()}  # g == 0 (and no cross scores)
+    extras = {**extras, "logp_teacher": extras["logp_old"].clone()}  # g == 0 (and no cross scores)
     steps = cp.StepTable(**cols, extras=extras)
     p = mod.AlignOPSDParams(grpo_scope=scope, allocation=allocation, norm_std=norm_std)
     terms = mod.alignopsd_terms(steps, p)
@@ -610,7 +610,7 @@ def test_zero_evidence_is_plain_grpo(batch, scope, allocation, norm_std):
     ref = grpo_mod.ESTIMATOR(steps, episode_stats=stats, norm_std=norm_std)
     siblings = torch.bincount(steps.traj_group)[steps.row_group]
     ref = torch.where(steps.to_input_order(siblings) >= 2, ref, 0.0)  # one-rollout groups: 0, not R / (1 + eps)
-    mask = steps.to_input_order(steps.extra("token_mask"))
+    mask = steps.to_input_order(steps.extra("response_mask"))
     assert torch.allclose(out, ref[:, None] * mask, atol=1e-6)
 
 
@@ -629,26 +629,26 @@ def test_single_rollout_and_all_fail_groups_give_zero():
 def good_case():
     cols, extras = three_rollouts()
     src, _ = mod.select_sources(cp.StepTable(**cols, extras=extras))
-    return cols, {**extras, "lp_cross": torch.full((6, 3, 2), -1.0), "cross_src": src}
+    return cols, {**extras, "logp_cross": torch.full((6, 3, 2), -1.0), "cross_src": src}
 
 
 def corrupt(extras, how):
     e = dict(extras)
     if how == "lp_old_shape":
-        e["lp_old"] = torch.zeros(6, 3)
+        e["logp_old"] = torch.zeros(6, 3)
     elif how == "lp_teacher_shape":
-        e["lp_teacher"] = torch.zeros(6)
+        e["logp_teacher"] = torch.zeros(6)
     elif how == "lp_old_nan":
-        e["lp_old"] = e["lp_old"].clone()
-        e["lp_old"][3, 1] = float("nan")
+        e["logp_old"] = e["logp_old"].clone()
+        e["logp_old"][3, 1] = float("nan")
     elif how == "lp_teacher_inf":
-        e["lp_teacher"] = e["lp_teacher"].clone()
-        e["lp_teacher"][0, 0] = float("-inf")
+        e["logp_teacher"] = e["logp_teacher"].clone()
+        e["logp_teacher"][0, 0] = float("-inf")
     elif how == "lp_cross_nan":
-        e["lp_cross"] = e["lp_cross"].clone()
-        e["lp_cross"][0, 0, 1] = float("nan")
+        e["logp_cross"] = e["logp_cross"].clone()
+        e["logp_cross"][0, 0, 1] = float("nan")
     elif how == "lp_cross_shape":
-        e["lp_cross"] = torch.zeros(6, 2, 2)
+        e["logp_cross"] = torch.zeros(6, 2, 2)
     elif how == "cross_src_mismatch":
         e["cross_src"] = e["cross_src"].clone()
         e["cross_src"][0, 1] = 5
@@ -657,12 +657,12 @@ def corrupt(extras, how):
     elif how == "cross_src_missing":
         del e["cross_src"]
     elif how == "lp_cross_missing":
-        del e["lp_cross"]
+        del e["logp_cross"]
     elif how == "token_mask_values":
-        e["token_mask"] = torch.full((6, 2), 0.5)
+        e["response_mask"] = torch.full((6, 2), 0.5)
     elif how == "token_mask_empty_row":
-        e["token_mask"] = e["token_mask"].clone()
-        e["token_mask"][2] = 0
+        e["response_mask"] = e["response_mask"].clone()
+        e["response_mask"][2] = 0
     elif how == "emb_teacher_nan":
         e["emb_teacher"] = e["emb_teacher"].clone()
         e["emb_teacher"][1, 0] = float("nan")
@@ -677,10 +677,10 @@ def corrupt(extras, how):
     return e
 
 
-BAD = {"lp_old_shape": "lp_old", "lp_teacher_shape": "lp_teacher", "lp_old_nan": "lp_old",
-       "lp_teacher_inf": "lp_teacher", "lp_cross_nan": "lp_cross", "lp_cross_shape": "lp_cross",
+BAD = {"lp_old_shape": "logp_old", "lp_teacher_shape": "logp_teacher", "lp_old_nan": "logp_old",
+       "lp_teacher_inf": "logp_teacher", "lp_cross_nan": "logp_cross", "lp_cross_shape": "logp_cross",
        "cross_src_mismatch": "cross_src", "cross_src_dtype": "cross_src", "cross_src_missing": "cross_src",
-       "lp_cross_missing": "lp_cross", "token_mask_values": "token_mask", "token_mask_empty_row": "token_mask",
+       "lp_cross_missing": "logp_cross", "token_mask_values": "response_mask", "token_mask_empty_row": "response_mask",
        "emb_teacher_nan": "emb_teacher", "emb_student_shape": "emb_student", "valid_shape": "valid",
        "valid_values": "valid", "emb_student_missing": "emb_student"}
 
@@ -697,32 +697,32 @@ def test_good_case_runs_and_off_mask_garbage_is_ignored():
     cols, extras = good_case()
     base = mod.ESTIMATOR(cp.StepTable(**cols, extras=extras))
     e = dict(extras)
-    e["token_mask"] = torch.tensor([[1.0, 0.0]] * 6)
-    e["lp_old"] = e["lp_old"].clone()
-    e["lp_old"][:, 1] = float("nan")
-    e["lp_cross"] = e["lp_cross"].clone()
-    e["lp_cross"][:, 2] = float("nan")  # slot 2 has no source in any row (cross_src = -1): never read
+    e["response_mask"] = torch.tensor([[1.0, 0.0]] * 6)
+    e["logp_old"] = e["logp_old"].clone()
+    e["logp_old"][:, 1] = float("nan")
+    e["logp_cross"] = e["logp_cross"].clone()
+    e["logp_cross"][:, 2] = float("nan")  # slot 2 has no source in any row (cross_src = -1): never read
     assert torch.all(e["cross_src"][:, 2] == -1)
     out = mod.ESTIMATOR(cp.StepTable(**cols, extras=e))
     assert bool(torch.isfinite(out).all()) and torch.all(out[:, 1] == 0) and torch.all(base[:, 1] != 0)
 
 
 @SETTINGS
-@given(batches(cross=True, valid=False), st.sampled_from(["lp_old", "lp_teacher", "lp_cross", "cross_src",
-                                                          "token_mask"]), st.integers(0, 10**6))
+@given(batches(cross=True, valid=False), st.sampled_from(["logp_old", "logp_teacher", "logp_cross", "cross_src",
+                                                          "response_mask"]), st.integers(0, 10**6))
 def test_fuzzed_bad_inputs_raise_value_errors_naming_the_field(batch, field, pick):
     cols, extras, _, seed = batch
     p = mod.AlignOPSDParams(tau_sim=0.0)
     extras = with_cross(cols, extras, p, seed)
-    s, length = extras["token_mask"].shape
+    s, length = extras["response_mask"].shape
     e = dict(extras)
-    mask = extras["token_mask"] != 0
-    if field in ("lp_old", "lp_teacher"):
+    mask = extras["response_mask"] != 0
+    if field in ("logp_old", "logp_teacher"):
         rows, toks = mask.nonzero(as_tuple=True)
         i = pick % len(rows)
         e[field] = e[field].clone().double()
         e[field][rows[i], toks[i]] = float("nan")
-    elif field == "lp_cross":
+    elif field == "logp_cross":
         has = (extras["cross_src"] >= 0)[:, :, None] & mask[:, None, :]
         if not bool(has.any()):
             e[field] = torch.zeros(s, p.top_k + 1, length)  # no pair: break the shape instead
@@ -742,7 +742,7 @@ def test_fuzzed_bad_inputs_raise_value_errors_naming_the_field(batch, field, pic
 
 
 def test_empty_table_gives_an_empty_result():
-    extras = {"lp_old": torch.zeros(0, 3), "lp_teacher": torch.zeros(0, 3), "token_mask": torch.zeros(0, 3),
+    extras = {"logp_old": torch.zeros(0, 3), "logp_teacher": torch.zeros(0, 3), "response_mask": torch.zeros(0, 3),
               "emb_teacher": torch.zeros(0, 2), "emb_student": torch.zeros(0, 2)}
     steps = cp.StepTable(group=[], traj=[], t=[], reward=[], extras=extras)
     assert mod.ESTIMATOR(steps).shape == (0, 3)

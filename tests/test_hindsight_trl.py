@@ -98,20 +98,20 @@ def test_hindsight_extras_score_failed_rows_under_the_successful_peers_actions(t
         m = output["completion_mask"][i].bool()
         comp = output["completion_ids"][i][m].tolist()
         prompt = output["prompt_ids"][i][output["prompt_mask"][i].bool()].tolist()
-        assert torch.allclose(ex["lp_old"][j][m], _forward_logps(model, prompt, comp), atol=1e-4)
+        assert torch.allclose(ex["logp_old"][j][m], _forward_logps(model, prompt, comp), atol=1e-4)
         if j in taught:
             text = insert_prefix(tok.decode(prompt, skip_special_tokens=False), prefix)
             hindsight = tok(text, add_special_tokens=False)["input_ids"]
             assert "Another attempt at this exact task succeeded" in text
-            assert torch.allclose(ex["lp_teacher"][j][m], _forward_logps(model, hindsight, comp), atol=1e-4)
+            assert torch.allclose(ex["logp_teacher"][j][m], _forward_logps(model, hindsight, comp), atol=1e-4)
         else:  # the successful peer itself is untaught: delta is exactly 0
-            assert torch.equal(ex["lp_teacher"][j], ex["lp_old"][j])
+            assert torch.equal(ex["logp_teacher"][j], ex["logp_old"][j])
     assert taught, "the tiny model's peer should have at least one parseable action"
     # UniOPSD reads these extras as they are
     table = cp.StepTable(group=steps.group[steps.inverse], traj=traj, t=steps.t[steps.inverse],
                          state=steps.state[steps.inverse], reward=steps.reward[steps.inverse], extras=ex)
     adv = cp.get("uniopsd").create()(table)
-    assert adv.shape == ex["lp_old"].shape and torch.isfinite(adv).all()
+    assert adv.shape == ex["logp_old"].shape and torch.isfinite(adv).all()
 
 
 def test_alignopsd_cross_passes_follow_its_source_selection(tiny):  # noqa: F811
@@ -126,7 +126,7 @@ def test_alignopsd_cross_passes_follow_its_source_selection(tiny):  # noqa: F811
     traj = steps.traj[steps.inverse]
     table = cp.StepTable(group=steps.group[steps.inverse], traj=traj, t=steps.t[steps.inverse],
                          reward=steps.reward[steps.inverse], extras={k: v for k, v in ex.items()
-                                                                     if k not in ("lp_cross", "cross_src")})
+                                                                     if k not in ("logp_cross", "cross_src")})
     src, _ = alignopsd.select_sources(table, params)
     assert torch.equal(ex["cross_src"], src) and bool((src >= 0).any())
     a, k = (src >= 0).nonzero()[0].tolist()
@@ -134,7 +134,7 @@ def test_alignopsd_cross_passes_follow_its_source_selection(tiny):  # noqa: F811
     assert traj[s] != traj[a]  # a source is another rollout's turn
     adv = cp.get("alignopsd")(cp.StepTable(group=steps.group[steps.inverse], traj=traj, t=steps.t[steps.inverse],
                                             reward=steps.reward[steps.inverse], extras=ex), tau_sim=-1.0, top_k=2)
-    assert adv.shape == ex["lp_old"].shape and torch.isfinite(adv).all()
+    assert adv.shape == ex["logp_old"].shape and torch.isfinite(adv).all()
 
 
 def _train_turns(model, tok, credit, tmp_path, steps=2, **params):

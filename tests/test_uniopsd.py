@@ -22,9 +22,9 @@ HEADER = "[Privileged Hindsight Information]\nAnother attempt at this exact task
 
 
 # ---- building batches --------------------------------------------------------------------------------------------
-def table(rows, lp_old, lp_teacher, mask):
-    ex = {"lp_old": torch.as_tensor(lp_old), "lp_teacher": torch.as_tensor(lp_teacher),
-          "token_mask": torch.as_tensor(mask)}
+def table(rows, logp_old, logp_teacher, mask):
+    ex = {"logp_old": torch.as_tensor(logp_old), "logp_teacher": torch.as_tensor(logp_teacher),
+          "response_mask": torch.as_tensor(mask)}
     return cp.StepTable(**columns(rows), extras=ex)
 
 
@@ -41,13 +41,13 @@ def rows_of(spec, group="g"):
 
 @st.composite
 def token_batches(draw, max_groups=3, max_rollouts=5, max_len=5):
-    """step_batches rows plus lp_old / lp_teacher / token_mask [S, L]: the failed trajectories of groups with a
+    """step_batches rows plus logp_old / logp_teacher / response_mask [S, L]: the failed trajectories of groups with a
     success are taught (choose_peers' rule, or every row with `anywhere`), some rows have no mask token, and the
     padding sometimes holds NaN."""
     rows = draw(step_batches(max_groups=max_groups, max_rollouts=max_rollouts, max_len=max_len))
     n, length = len(rows), draw(st.integers(1, 4))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    lp_old = -rng.exponential(1.0, (n, length))
+    logp_old = -rng.exponential(1.0, (n, length))
     mask = rng.random((n, length)) < 0.8
     mask[rng.random(n) < 0.1] = False
     ret = defaultdict(float)
@@ -59,10 +59,10 @@ def token_batches(draw, max_groups=3, max_rollouts=5, max_len=5):
     else:
         taught = rng.random(n) < 0.5
     noise = rng.normal(0.0, draw(st.sampled_from([0.05, 0.3, 1.0])), (n, length))
-    lp_teacher = np.where(taught[:, None], lp_old + noise, lp_old)
+    logp_teacher = np.where(taught[:, None], logp_old + noise, logp_old)
     if draw(st.booleans()):
-        lp_old[~mask], lp_teacher[~mask] = np.nan, -np.inf
-    return rows, lp_old, lp_teacher, mask.astype(np.float32)
+        logp_old[~mask], logp_teacher[~mask] = np.nan, -np.inf
+    return rows, logp_old, logp_teacher, mask.astype(np.float32)
 
 
 states = st.fixed_dictionaries({
@@ -100,7 +100,7 @@ def lower_median(x):
     return float(np.sort(np.asarray(x))[(len(x) - 1) // 2])
 
 
-def naive_uniopsd(rows, lp_old, lp_teacher, mask, state, gamma=0.95, step_weight=1.0, a_reliability=0.5,
+def naive_uniopsd(rows, logp_old, logp_teacher, mask, state, gamma=0.95, step_weight=1.0, a_reliability=0.5,
                   rho_decay=0.9, rho_shrink_z=2.33, lam0=0.5, warmdown_steps=100, clip_eps=0.2, eps=1e-6,
                   frozen_rho=None):
     n, length = mask.shape
@@ -123,7 +123,7 @@ def naive_uniopsd(rows, lp_old, lp_teacher, mask, state, gamma=0.95, step_weight
         mean = 0.0 if len(idx) == 1 else sum(ret[rows[i]["traj"]] for i in idx) / len(idx)
         for i in idx:
             a_e[i] = ret[rows[i]["traj"]] - mean
-    delta = np.where(mask, lp_teacher - lp_old, 0.0)
+    delta = np.where(mask, logp_teacher - logp_old, 0.0)
     n_tok = np.maximum(mask.sum(1), 1)
     dbar = delta.sum(1) / n_tok
     var_t = (np.where(mask, delta - dbar[:, None], 0.0) ** 2).sum(1) / n_tok
@@ -188,8 +188,8 @@ def naive_uniopsd(rows, lp_old, lp_teacher, mask, state, gamma=0.95, step_weight
 @SETTINGS
 @given(token_batches(), states, params)
 def test_no_teacher_signal_is_gigpo_for_any_state_and_lambda(batch, state, p):
-    rows, lp_old, _, mask = batch
-    steps = table(rows, lp_old, lp_old, mask)  # lp_teacher == lp_old: delta = 0, nobody is taught
+    rows, logp_old, _, mask = batch
+    steps = table(rows, logp_old, logp_old, mask)  # logp_teacher == logp_old: delta = 0, nobody is taught
     est, out = run(steps, state, **p)
     ref = gigpo_tokens(steps, mask, gamma=p["gamma"], step_weight=p["step_weight"])
     assert torch.allclose(out, ref, rtol=0, atol=1e-5)
@@ -199,8 +199,8 @@ def test_no_teacher_signal_is_gigpo_for_any_state_and_lambda(batch, state, p):
 @SETTINGS
 @given(token_batches(), st.sampled_from([0.5, 1.0]))
 def test_lam0_zero_first_batch_is_gigpo_even_with_a_teacher(batch, omega):
-    rows, lp_old, lp_teacher, mask = batch
-    steps = table(rows, lp_old, lp_teacher, mask)
+    rows, logp_old, logp_teacher, mask = batch
+    steps = table(rows, logp_old, logp_teacher, mask)
     est, out = run(steps, lam0=0.0, step_weight=omega)
     # first batch: no measurement yet => rho_hat = 0 => c* = 1 => c = 1 everywhere => F = A^S
     assert est.stats["uniopsd/rho_hat"] == 0.0 and est.stats["uniopsd/c_star"] == 1.0
@@ -215,8 +215,8 @@ def test_lam0_zero_first_batch_is_gigpo_even_with_a_teacher(batch, omega):
 @SETTINGS
 @given(token_batches(), states, params)
 def test_bounds_signs_convexity_and_shape_on_random_batches(batch, state, p):
-    rows, lp_old, lp_teacher, mask = batch
-    steps = table(rows, lp_old, lp_teacher, mask)
+    rows, logp_old, logp_teacher, mask = batch
+    steps = table(rows, logp_old, logp_teacher, mask)
     est, out = run(steps, state, **p)
     t = est.last_terms
     m = torch.as_tensor(mask).bool()
@@ -250,10 +250,10 @@ def test_bounds_signs_convexity_and_shape_on_random_batches(batch, state, p):
 @SETTINGS
 @given(token_batches(), states, params)
 def test_matches_a_row_by_row_reference(batch, state, p):
-    rows, lp_old, lp_teacher, mask = batch
-    steps = table(rows, lp_old, lp_teacher, mask)
+    rows, logp_old, logp_teacher, mask = batch
+    steps = table(rows, logp_old, logp_teacher, mask)
     est, out = run(steps, state, **p)
-    ref, parts = naive_uniopsd(rows, lp_old, lp_teacher, mask, state, **p)
+    ref, parts = naive_uniopsd(rows, logp_old, logp_teacher, mask, state, **p)
     t = est.last_terms
     back = steps.to_input_order
     assert t.lam == pytest.approx(parts["lam"], abs=1e-15)
@@ -269,11 +269,11 @@ def test_matches_a_row_by_row_reference(batch, state, p):
 @settings(max_examples=30, deadline=None)
 @given(token_batches(), states, st.randoms(use_true_random=False))
 def test_output_follows_the_input_row_order(batch, state, rnd):
-    rows, lp_old, lp_teacher, mask = batch
+    rows, logp_old, logp_teacher, mask = batch
     perm = list(range(len(rows)))
     rnd.shuffle(perm)
-    _, out = run(table(rows, lp_old, lp_teacher, mask), state)
-    _, out_perm = run(table([rows[i] for i in perm], lp_old[perm], lp_teacher[perm], mask[perm]), state)
+    _, out = run(table(rows, logp_old, logp_teacher, mask), state)
+    _, out_perm = run(table([rows[i] for i in perm], logp_old[perm], logp_teacher[perm], mask[perm]), state)
     assert torch.allclose(out_perm, out[perm], rtol=1e-6, atol=1e-6)
 
 
@@ -335,20 +335,20 @@ def test_lambda_follows_the_batch_counter():
 
 # ---- hand-computed batch ------------------------------------------------------------------------------------------
 HAND = {"a": (True, ["s0", "s1"]), "b": (False, ["s0", "s1"]), "c": (False, ["s0", "s2"])}
-# teacher gap per row on the two mask tokens (the third token is padding, NaN in lp_old)
+# teacher gap per row on the two mask tokens (the third token is padding, NaN in logp_old)
 HAND_DELTA = {("a", 0): [0, 0], ("a", 1): [0, 0], ("b", 0): [0.2, 0.0], ("b", 1): [-0.3, -0.1],
               ("c", 0): [0.5, 0.1], ("c", 1): [-0.1, -0.1]}
 
 
 def hand_table():
     rows = rows_of(HAND)
-    lp_old = np.full((len(rows), 3), -1.0)
-    lp_teacher = lp_old.copy()
+    logp_old = np.full((len(rows), 3), -1.0)
+    logp_teacher = logp_old.copy()
     for i, r in enumerate(rows):
-        lp_teacher[i, :2] += HAND_DELTA[(r["traj"], r["t"])]
-    lp_old[:, 2] = np.nan
+        logp_teacher[i, :2] += HAND_DELTA[(r["traj"], r["t"])]
+    logp_old[:, 2] = np.nan
     mask = np.array([[1, 1, 0]] * len(rows))
-    return table(rows, lp_old, lp_teacher, mask)
+    return table(rows, logp_old, logp_teacher, mask)
 
 
 def test_hand_computed_batch():
@@ -444,19 +444,19 @@ def test_all_fail_groups_get_zero_advantage_without_division_by_zero():
     rows += rows_of({"x": (True, ["s0", "s1"]), "y": (False, ["s0", "s2"])}, group="h")
     n = len(rows)
     rng = np.random.default_rng(0)
-    lp_old = -rng.exponential(1.0, (n, 3))
-    lp_teacher = lp_old.copy()
+    logp_old = -rng.exponential(1.0, (n, 3))
+    logp_teacher = logp_old.copy()
     fail_g = np.array([r["group"] == "g" for r in rows])
     y = np.array([r["traj"] == "y" for r in rows])
-    lp_teacher[y] += rng.normal(0, 0.3, (int(y.sum()), 3))       # only y (failed, group h has a success) is taught
-    steps = table(rows, lp_old, lp_teacher, np.ones((n, 3)))
+    logp_teacher[y] += rng.normal(0, 0.3, (int(y.sum()), 3))       # only y (failed, group h has a success) is taught
+    steps = table(rows, logp_old, logp_teacher, np.ones((n, 3)))
     for state in (None, {"step": 5, "rho_ema": 0.9, "n_prev": 40}):
         _, out = run(steps, state, rho_shrink_z=0.0)
         assert torch.isfinite(out).all()
         assert torch.all(out[torch.from_numpy(fail_g)] == 0)
     # a batch of all-fail groups only: everything is 0, stats finite
     only = [r for r in rows if r["group"] == "g"]
-    est, out = run(table(only, lp_old[fail_g], lp_old[fail_g], np.ones((len(only), 3))))
+    est, out = run(table(only, logp_old[fail_g], logp_old[fail_g], np.ones((len(only), 3))))
     assert torch.all(out == 0) and all(math.isfinite(v) for v in est.stats.values())
     assert est.stats["uniopsd/dead_token_frac"] == 1.0 and est.stats["uniopsd/corr_measured"] == 0.0
     assert est.state_dict()["rho_ema"] is None                   # nothing measured, nothing stored
@@ -466,8 +466,8 @@ def test_a_row_without_mask_tokens_is_zero_and_untaught():
     steps = hand_table()
     mask = np.array([[1, 1, 0]] * 6)
     mask[3] = 0                                                   # b1 has no trainable token
-    lp_old, lp_teacher = steps.extra("lp_old")[steps.inverse], steps.extra("lp_teacher")[steps.inverse]
-    steps2 = table(rows_of(HAND), lp_old, lp_teacher, mask)
+    logp_old, logp_teacher = steps.extra("logp_old")[steps.inverse], steps.extra("logp_teacher")[steps.inverse]
+    steps2 = table(rows_of(HAND), logp_old, logp_teacher, mask)
     est, out = run(steps2, {"step": 0, "rho_ema": 0.533, "n_prev": 10})
     assert torch.all(out[3] == 0)
     assert not bool(steps2.to_input_order(est.last_terms.taught)[3])
@@ -479,11 +479,11 @@ def test_constant_anchor_group_has_no_step_evidence():
     # A^S = 0 exactly, both rows are vacuum (taught, no step evidence) and get c = c*
     spec = {"a": (True, ["s0", "s1"]), "b": (False, ["s0", "s2"]), "c": (False, ["s0", "s2"])}
     rows = rows_of(spec)
-    lp_old = np.full((6, 2), -1.0)
-    lp_teacher = lp_old + np.array([[0, 0], [0, 0], [0.3, 0.1], [0.2, -0.2], [-0.1, 0.0], [0.4, 0.2]])
-    est, _ = run(table(rows, lp_old, lp_teacher, np.ones((6, 2))), {"step": 0, "rho_ema": 0.6, "n_prev": 100},
+    logp_old = np.full((6, 2), -1.0)
+    logp_teacher = logp_old + np.array([[0, 0], [0, 0], [0.3, 0.1], [0.2, -0.2], [-0.1, 0.0], [0.4, 0.2]])
+    est, _ = run(table(rows, logp_old, logp_teacher, np.ones((6, 2))), {"step": 0, "rho_ema": 0.6, "n_prev": 100},
                  rho_shrink_z=0.0)
-    t, back = est.last_terms, table(rows, lp_old, lp_teacher, np.ones((6, 2))).to_input_order
+    t, back = est.last_terms, table(rows, logp_old, logp_teacher, np.ones((6, 2))).to_input_order
     assert back(t.has_step).tolist() == [True, False, True, False, True, False]
     assert torch.all(back(t.a_step)[[1, 3, 5]] == 0)
     assert back(t.c)[[3, 5]].tolist() == pytest.approx([t.c_star, t.c_star])
@@ -502,8 +502,8 @@ def test_rounding_noise_of_a_constant_anchor_group_is_not_step_evidence():
     for r in rows:
         r["reward"] = 0.7 if r["t"] == 1 else 0.0
     rng = np.random.default_rng(1)
-    lp_old = -rng.exponential(1.0, (12, 2))
-    steps = table(rows, lp_old, lp_old + rng.normal(0, 0.2, (12, 2)), np.ones((12, 2)))
+    logp_old = -rng.exponential(1.0, (12, 2))
+    steps = table(rows, logp_old, logp_old + rng.normal(0, 0.2, (12, 2)), np.ones((12, 2)))
     s_rows = steps.t == 0
     ref = gigpo_mod.step_advantage(steps, gamma=0.95, norm_std=False, eps=1e-6)
     assert bool((ref[s_rows] != 0).any())                      # the noise this guards against
@@ -554,16 +554,16 @@ def bad_table(**override):
 
 
 @pytest.mark.parametrize("override, match", [
-    ({"lp_teacher": None}, r"needs StepTable field\(s\) \['lp_teacher'\]"),
-    ({"token_mask": None}, r"needs StepTable field\(s\) \['token_mask'\]"),
-    ({"lp_old": torch.zeros(6)}, r"extras\['lp_old'\] has shape \(6,\); UniOPSD needs \[S, L\]"),
-    ({"lp_teacher": torch.zeros(6, 2)}, r"extras\['lp_teacher'\] has shape \(6, 2\) but extras\['lp_old'\] has "
+    ({"logp_teacher": None}, r"needs StepTable field\(s\) \['logp_teacher'\]"),
+    ({"response_mask": None}, r"needs StepTable field\(s\) \['response_mask'\]"),
+    ({"logp_old": torch.zeros(6)}, r"extras\['logp_old'\] has shape \(6,\); UniOPSD needs \[S, L\]"),
+    ({"logp_teacher": torch.zeros(6, 2)}, r"extras\['logp_teacher'\] has shape \(6, 2\) but extras\['logp_old'\] has "
                                         r"\(6, 3\)"),
-    ({"token_mask": torch.ones(6, 4)}, r"extras\['token_mask'\] has shape \(6, 4\)"),
-    ({"token_mask": torch.full((6, 3), 2.0)}, r"extras\['token_mask'\] has 18 value\(s\) other than 0/1"),
-    ({"token_mask": torch.full((6, 3), float("nan"))}, r"token_mask'\] has 18 value\(s\) other than 0/1"),
-    ({"lp_old": torch.full((6, 3), float("nan"))}, r"extras\['lp_old'\] has 12 NaN/inf value\(s\) on mask tokens"),
-    ({"lp_teacher": torch.full((6, 3), float("inf"))}, r"extras\['lp_teacher'\] has 12 NaN/inf value\(s\) on mask"),
+    ({"response_mask": torch.ones(6, 4)}, r"extras\['response_mask'\] has shape \(6, 4\)"),
+    ({"response_mask": torch.full((6, 3), 2.0)}, r"extras\['response_mask'\] has 18 value\(s\) other than 0/1"),
+    ({"response_mask": torch.full((6, 3), float("nan"))}, r"response_mask'\] has 18 value\(s\) other than 0/1"),
+    ({"logp_old": torch.full((6, 3), float("nan"))}, r"extras\['logp_old'\] has 12 NaN/inf value\(s\) on mask tokens"),
+    ({"logp_teacher": torch.full((6, 3), float("inf"))}, r"extras\['logp_teacher'\] has 12 NaN/inf value\(s\) on mask"),
 ])
 def test_bad_extras_raise_naming_the_field(override, match):
     with pytest.raises(ValueError, match=match):
@@ -624,7 +624,7 @@ def test_params_and_keywords_together_raise():
 def test_estimator_record():
     e = mod.ESTIMATOR
     assert e.name == "uniopsd" and e.output == "token" and e.stateful is mod.UniOPSD
-    assert e.requires == ("state", "lp_old", "lp_teacher", "token_mask")
+    assert e.requires == ("state", "logp_old", "logp_teacher", "response_mask")
     assert "Ahat_kt" in e.formula and "c*" in e.formula and "arXiv:2609.34810" in e.paper
     d = e.defaults()
     assert d["gamma"] == 0.95 and d["norm_std"] is False and d["a_reliability"] == 0.5 and d["rho_decay"] == 0.9

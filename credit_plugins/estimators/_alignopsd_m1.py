@@ -146,17 +146,17 @@ def confidence(sim: torch.Tensor, omega: torch.Tensor, tau: float) -> torch.Tens
     return (omega * ((sim - tau) / (1.0 - tau)).clamp(0.0, 1.0)).sum(-1)
 
 
-def aggregate_cross(lp_cross: torch.Tensor, omega: torch.Tensor, has: torch.Tensor, lp_diag: torch.Tensor,
+def aggregate_cross(logp_cross: torch.Tensor, omega: torch.Tensor, has: torch.Tensor, lp_diag: torch.Tensor,
                     mode: str) -> torch.Tensor:
     """``l^cross_t`` [S, L]: ``log sum_s omega_s exp(l_s)`` (probability_mixture) or ``sum_s omega_s l_s``
     (log_mean); the diagonal score on rows without a source (the authors' default)."""
     any_src = has.any(-1)
     if mode == "probability_mixture":
         log_w = torch.where(has, torch.log(torch.where(has, omega, 1.0)), -math.inf)  # [S, K]
-        terms = torch.where(has[:, :, None], log_w[:, :, None] + lp_cross, -math.inf)
+        terms = torch.where(has[:, :, None], log_w[:, :, None] + logp_cross, -math.inf)
         cross = torch.logsumexp(terms, dim=1)
     else:
-        cross = (torch.where(has[:, :, None], omega[:, :, None] * lp_cross, 0.0)).sum(1)
+        cross = (torch.where(has[:, :, None], omega[:, :, None] * logp_cross, 0.0)).sum(1)
     return torch.where(any_src[:, None], cross, lp_diag)
 
 

@@ -8,7 +8,7 @@ arXiv:2609.33391. Spec: ``DISTILL.md`` §8 [S-code]: follows the authors' code `
     S_t        = top-K of {one best s per rollout : B[s,t], H[s,t] >= tau_sim}    (ties: (traj, t) order)
     omega_s    = softmax_{s in S_t}(H[s,t] / T_agg),   rho_t = sum_s omega_s clip((H[s,t] - tau) / (1 - tau), 0, 1)
     l^cross_t  = log sum_s omega_s exp(l^cross_{s->t})   (probability_mixture)  |  sum_s omega_s l^cross_{s->t}
-    alpha_t    = alpha_max rho_t  (0 without lp_cross or without a source)
+    alpha_t    = alpha_max rho_t  (0 without logp_cross or without a source)
     g_{t,j}    = (1 - alpha_t) lp_teacher_{t,j} + alpha_t l^cross_{t,j} - lp_old_{t,j}
     P[t,s]     = softmax_{s: B[s,t]}(H[s,t] / T_prof), valid iff max_{s: B} H[s,t] >= tau_sim
     d_t        = JSD(P[t-1], P[t]) / ln 2, valid iff both profiles valid and B[:, t-1] = B[:, t]
@@ -22,9 +22,9 @@ arXiv:2609.33391. Spec: ``DISTILL.md`` §8 [S-code]: follows the authors' code `
     w_k        = (1 - mu) + mu h^_k,      A_{k,j} = mask_{k,j} (A_traj w_k + r^inv_k)
 
 Inputs (one StepTable row per (rollout, turn); group = task, traj = rollout, t = turn): ``reward`` (the episode
-return is the sum), extras ``lp_old`` [S, L] (student behaviour log-probs of the row's response tokens),
-``lp_teacher`` [S, L] (diagonal teacher-forced log-probs), ``token_mask`` [S, L] 0/1, ``emb_teacher`` /
-``emb_student`` [S, D] (thinking embeddings; an all-zero row = empty thinking), optional ``lp_cross`` [S, K, L]
+return is the sum), extras ``logp_old`` [S, L] (student behaviour log-probs of the row's response tokens),
+``logp_teacher`` [S, L] (diagonal teacher-forced log-probs), ``response_mask`` [S, L] 0/1, ``emb_teacher`` /
+``emb_student`` [S, D] (thinking embeddings; an all-zero row = empty thinking), optional ``logp_cross`` [S, K, L]
 with ``cross_src`` [S, K] int64 (input row index of the source scoring slot k, -1 none; must equal
 :func:`select_sources`), optional ``valid`` [S] bool (``is_action_valid``). Output ``[S, L]`` float32, 0 off mask.
 Call :func:`select_sources` first to know which cross teacher-forced passes to run; :func:`alignopsd_terms` gives
@@ -53,7 +53,7 @@ Decisions where the spec is open or reconstructed:
   (verl-agent's ``invalid_action_penalty_coef`` 0.1), added on mask tokens after allocation (S-code). Without
   ``valid`` the residual is 0. It is the only term not scaled by ``w_k``.
 * [R] Log-probs are checked (finite) on mask tokens only; off-mask values are ignored (padding may hold
-  anything). ``lp_cross`` slots with ``cross_src = -1`` are ignored. Every row needs at least one mask token
+  anything). ``logp_cross`` slots with ``cross_src = -1`` are ignored. Every row needs at least one mask token
   (the authors' invariant; ``log N_k`` is undefined otherwise). Framework copies of a turn must be removed
   before building the table (it rejects a duplicate ``(traj, t)``); their ``1/k`` loss weights are the bridge's.
 * Projection: bisection over all trajectories at once, then lambda solved exactly on the active set, so
@@ -82,8 +82,8 @@ from .grpo import episode_advantage
 __all__ = ["AlignOPSDParams", "AlignOPSDTerms", "ESTIMATOR", "select_sources", "alignopsd_terms", "alignopsd",
            "trajectory_advantage", "invalid_residual", "EXTRAS", "OPTIONAL_EXTRAS"]
 
-EXTRAS = ("lp_old", "lp_teacher", "token_mask", "emb_teacher", "emb_student")
-OPTIONAL_EXTRAS = ("lp_cross", "cross_src", "valid")
+EXTRAS = ("logp_old", "logp_teacher", "response_mask", "emb_teacher", "emb_student")
+OPTIONAL_EXTRAS = ("logp_cross", "cross_src", "valid")
 ALLOCATIONS = ("hierarchical", "flat_token", "flat_turn", "random")
 PROJECTIONS = ("legacy", "bounded")
 SCOPES = ("turn", "trajectory")
@@ -194,9 +194,9 @@ class AlignOPSDTerms:
     omega: torch.Tensor  # [S, K] source weights
     rho: torch.Tensor  # [S] confidence
     alpha: torch.Tensor  # [S] rectification strength
-    lp_cross: torch.Tensor  # [S, L] aggregated cross score l^cross (= lp_teacher where alpha has no source)
+    logp_cross: torch.Tensor  # [S, L] aggregated cross score l^cross (= logp_teacher where alpha has no source)
     lp_rect: torch.Tensor  # [S, L] rectified teacher score
-    gap: torch.Tensor  # [S, L] g = l^rect - lp_old on mask tokens, 0 off mask
+    gap: torch.Tensor  # [S, L] g = l^rect - logp_old on mask tokens, 0 off mask
     profile_valid: torch.Tensor  # [S] bool
     distance: torch.Tensor  # [S] profile distance to the previous turn (0 at t = 0 / invalid)
     boundary_valid: torch.Tensor  # [S] bool
@@ -238,25 +238,25 @@ def _embeddings(steps: StepTable) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _token_inputs(steps: StepTable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    mask = steps.extra("token_mask")
+    mask = steps.extra("response_mask")
     if mask.ndim != 2:
-        raise ValueError(f"extras['token_mask'] has shape {tuple(mask.shape)}; give [S, L] 0/1 (the policy-loss "
+        raise ValueError(f"extras['response_mask'] has shape {tuple(mask.shape)}; give [S, L] 0/1 (the policy-loss "
                          f"mask of each row's response tokens)")
     if mask.dtype != torch.bool:
         if mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
-            raise ValueError("extras['token_mask'] must hold only 0 and 1 (or bools); binarise the loss mask")
+            raise ValueError("extras['response_mask'] must hold only 0 and 1 (or bools); binarise the loss mask")
         mask = mask != 0
     empty = ~mask.any(1)
     if bool(empty.any()):
         i = int(steps.order[int(empty.nonzero()[0])])
-        raise ValueError(f"extras['token_mask'] has {int(empty.sum())} row(s) without a trainable token, first at "
+        raise ValueError(f"extras['response_mask'] has {int(empty.sum())} row(s) without a trainable token, first at "
                          f"input row {i}; every turn needs >= 1 policy-loss token (drop the whole rollout or keep "
                          f"at least one response token in the mask)")
     out = []
-    for name in ("lp_old", "lp_teacher"):
+    for name in ("logp_old", "logp_teacher"):
         lp = _float_block(steps, name, 2)
         if lp.shape != mask.shape:
-            raise ValueError(f"extras[{name!r}] has shape {tuple(lp.shape)} but extras['token_mask'] has "
+            raise ValueError(f"extras[{name!r}] has shape {tuple(lp.shape)} but extras['response_mask'] has "
                              f"{tuple(mask.shape)}; give one log-prob per response token [S, L]")
         _check_finite(steps, name, lp, mask)
         out.append(torch.where(mask, lp, 0.0))
@@ -268,7 +268,7 @@ def _check_finite(steps: StepTable, name: str, lp: torch.Tensor, mask: torch.Ten
     if bool(bad.any()):
         r = int(bad.any(-1).nonzero()[0]) if bad.ndim == 2 else int(bad.flatten(1).any(-1).nonzero()[0])
         raise ValueError(f"extras[{name!r}] has {int(bad.sum())} NaN/inf log-prob(s) on mask tokens, first at input "
-                         f"row {int(steps.order[r])}; recompute them (or mask those tokens out of token_mask)")
+                         f"row {int(steps.order[r])}; recompute them (or mask those tokens out of response_mask)")
 
 
 def _has(steps: StepTable, name: str) -> bool:
@@ -284,19 +284,19 @@ def _sorted_src_as_input(steps: StepTable, src: torch.Tensor) -> torch.Tensor:
 
 
 def _cross_inputs(steps: StepTable, p: AlignOPSDParams, src: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
-    """``lp_cross`` [S, K, L] (float64, sorted rows) after checking ``cross_src`` against the selection."""
-    have_lp, have_src = _has(steps, "lp_cross"), _has(steps, "cross_src")
+    """``logp_cross`` [S, K, L] (float64, sorted rows) after checking ``cross_src`` against the selection."""
+    have_lp, have_src = _has(steps, "logp_cross"), _has(steps, "cross_src")
     if not have_lp and not have_src:
         return None
     if not (have_lp and have_src):
-        missing = "cross_src" if have_lp else "lp_cross"
-        raise ValueError(f"extras[{missing!r}] is missing; lp_cross [S, K, L] and cross_src [S, K] go together "
+        missing = "cross_src" if have_lp else "logp_cross"
+        raise ValueError(f"extras[{missing!r}] is missing; logp_cross [S, K, L] and cross_src [S, K] go together "
                          f"(pass both, or neither for ablation A)")
     s, length = mask.shape
-    lp = _float_block(steps, "lp_cross", 3)
+    lp = _float_block(steps, "logp_cross", 3)
     if tuple(lp.shape) != (s, p.top_k, length):
-        raise ValueError(f"extras['lp_cross'] has shape {tuple(lp.shape)}; expected [S, K, L] = "
-                         f"{(s, p.top_k, length)} (K = top_k, L as token_mask)")
+        raise ValueError(f"extras['logp_cross'] has shape {tuple(lp.shape)}; expected [S, K, L] = "
+                         f"{(s, p.top_k, length)} (K = top_k, L as response_mask)")
     cs = steps.extra("cross_src")
     if tuple(cs.shape) != (s, p.top_k) or cs.is_floating_point() or cs.dtype == torch.bool:
         raise ValueError(f"extras['cross_src'] has shape {tuple(cs.shape)} and dtype {cs.dtype}; expected int64 "
@@ -310,7 +310,7 @@ def _cross_inputs(steps: StepTable, p: AlignOPSDParams, src: torch.Tensor, mask:
                          f"cross teacher-forced passes for exactly the pairs select_sources returns, with the same "
                          f"embeddings and tau_sim/top_k")
     has = src >= 0
-    _check_finite(steps, "lp_cross", lp, has[:, :, None] & mask[:, None, :])
+    _check_finite(steps, "logp_cross", lp, has[:, :, None] & mask[:, None, :])
     return torch.where(has[:, :, None] & mask[:, None, :], lp, 0.0)
 
 
@@ -360,7 +360,7 @@ def select_sources(steps: StepTable, params: AlignOPSDParams | None = None,
     Returns ``src`` [S, K] int64: input row indices of each row's chosen source rows (-1 = none), best first, and
     ``sim`` [S, K] float32: their similarity H (0 on empty slots). Needs ``emb_teacher`` and ``emb_student``.
     Score row i's response under the teacher context of row ``src[i, k]`` and pass the results back as
-    ``lp_cross[i, k]`` with ``cross_src = src``.
+    ``logp_cross[i, k]`` with ``cross_src = src``.
     """
     p = _params(params, values, "alignopsd.select_sources")
     steps.require("emb_teacher", "emb_student", by="alignopsd.select_sources")
@@ -486,22 +486,22 @@ def _token_allocation(steps: StepTable, p: AlignOPSDParams, gap: torch.Tensor, m
 def alignopsd_terms(steps: StepTable, p: AlignOPSDParams) -> AlignOPSDTerms:
     """All quantities of one batch (sorted order, float64): M1 rectification, then M2 allocation."""
     steps.require(*EXTRAS, by="estimator 'alignopsd'")
-    lp_old, lp_diag, mask = _token_inputs(steps)
+    logp_old, lp_diag, mask = _token_inputs(steps)
     valid = _valid(steps)
     c = _correspondence(steps, p)
-    lp_cross = _cross_inputs(steps, p, c.src, mask)
+    logp_cross = _cross_inputs(steps, p, c.src, mask)
 
     # M1: weights, confidence, strength, rectified gap
     has = c.src >= 0
     omega = m1.source_weights(c.sim, has, p.t_agg)
     rho = m1.confidence(c.sim, omega, p.tau_sim)
-    if lp_cross is None:  # ablation A: no cross scores, plain diagonal gap
+    if logp_cross is None:  # ablation A: no cross scores, plain diagonal gap
         alpha, cross = torch.zeros(steps.n_steps, dtype=torch.float64), lp_diag
     else:
         alpha = (p.alpha_max * rho).clamp(0.0, p.alpha_max)
-        cross = m1.aggregate_cross(lp_cross, omega, has, lp_diag, p.aggregation)
+        cross = m1.aggregate_cross(logp_cross, omega, has, lp_diag, p.aggregation)
     lp_rect = m1.rectify(lp_diag, cross, alpha)
-    gap = torch.where(mask, lp_rect - lp_old, 0.0)
+    gap = torch.where(mask, lp_rect - logp_old, 0.0)
 
     # M2: profiles, adjacent distances, threshold
     prof, prof_valid = m2.profiles(c.h, c.b, p.tau_sim, p.t_prof)
@@ -522,7 +522,7 @@ def alignopsd_terms(steps: StepTable, p: AlignOPSDParams) -> AlignOPSDTerms:
     token_weight = alloc.token_weight * maskf
     residual = _invalid_residual(steps, p, valid)
     advantage = maskf * (a_traj[:, None] * token_weight + residual[:, None])
-    return AlignOPSDTerms(src=c.src, sim=c.sim, omega=omega, rho=rho, alpha=alpha, lp_cross=cross, lp_rect=lp_rect,
+    return AlignOPSDTerms(src=c.src, sim=c.sim, omega=omega, rho=rho, alpha=alpha, logp_cross=cross, lp_rect=lp_rect,
                           gap=gap, profile_valid=c.blocks.per_row(prof_valid, steps.row_group), distance=dist,
                           boundary_valid=bvalid, theta=theta, segment=alloc.segment, a_traj=a_traj, n_tokens=n_tok,
                           turn_gap=turn_gap, score=score, span_budget=alloc.span_budget,
@@ -533,7 +533,7 @@ def alignopsd_terms(steps: StepTable, p: AlignOPSDParams) -> AlignOPSDTerms:
 def alignopsd(steps: StepTable, p: AlignOPSDParams) -> torch.Tensor:
     """[S, L] float64 token advantages, sorted order (the registered ``fn``); an empty table gives ``[0, L]``."""
     if steps.n_steps == 0:
-        return torch.zeros(steps.extra("token_mask").shape, dtype=torch.float64)
+        return torch.zeros(steps.extra("response_mask").shape, dtype=torch.float64)
     return alignopsd_terms(steps, p).advantage
 
 
@@ -543,8 +543,8 @@ ESTIMATOR = Estimator(
     params=AlignOPSDParams,
     paper="Beyond Timestamps: Decision-Aligned On-Policy Self-Distillation (AlignOPSD), arXiv:2609.33391; "
           "authors' code mingju-c/Align-OPSD",
-    formula=textwrap.dedent(__doc__.split("\n\n")[2]) + "\nextras: lp_old, lp_teacher, token_mask [S, L]; "
-                                                        "emb_teacher, emb_student [S, D]; optional lp_cross [S, K, L] "
+    formula=textwrap.dedent(__doc__.split("\n\n")[2]) + "\nextras: logp_old, logp_teacher, response_mask [S, L]; "
+                                                        "emb_teacher, emb_student [S, D]; optional logp_cross [S, K, L] "
                                                         "+ cross_src [S, K] (from select_sources), valid [S]",
     requires=EXTRAS,
     output="token",

@@ -4,7 +4,7 @@ Paper: "UniOPSD: Unified On-Policy Self-Distillation", arXiv:2609.34810. Follows
 ``Zenghuang-Fu/Uniopsd`` (``rlsd_utils.compute_opsd_step_tier``, ``compute_rlsd_token_advantage(form="fusion")``,
 ``rlsd_ray_trainer`` with ``c_mode: corr``) step for step; spec ``DISTILL.md`` §7 [S-code].
 
-    delta_kt  = lp_teacher - lp_old  (mask tokens),  dbar_k = mean_t delta_kt,  g(k) = anchor group (group, state)
+    delta_kt  = logp_teacher - logp_old  (mask tokens),  dbar_k = mean_t delta_kt,  g(k) = anchor group (group, state)
     A^E_k     = e_k - mean_group e                                       GiGPO episode tier (mean_norm)
     A^S_k     = omega (R_k - mean_g(k) R),  R_k = sum_l>=t gamma^(l-t) r_l   GiGPO step tier (mean_norm)
     A^O_k     = s (dbar_k - mean_g(k) dbar),  s = std_T(A^S) / (std_T(dbar - mean_g dbar) + eps)   T = taught rows
@@ -18,9 +18,9 @@ Paper: "UniOPSD: Unified On-Policy Self-Distillation", arXiv:2609.34810. Follows
     Ahat_kt   = A^E_k + F_k [(1 - lambda_m) + lambda_m w_kt]  on mask tokens, 0 elsewhere
 
 Inputs, one StepTable row per (trajectory, turn): ``state`` (anchor key), rewards (the episode return is their
-sum), and three extras of shape ``[S, L]`` (the row's response tokens, right-padded): ``lp_old`` (behaviour
-log-probs), ``lp_teacher`` (log-probs of the same tokens under the peer-prefixed prompt, scored by the same policy;
-rows without a teacher carry ``lp_old`` itself, so delta = 0 there) and ``token_mask`` (0/1 or bool, 1 on trainable
+sum), and three extras of shape ``[S, L]`` (the row's response tokens, right-padded): ``logp_old`` (behaviour
+log-probs), ``logp_teacher`` (log-probs of the same tokens under the peer-prefixed prompt, scored by the same policy;
+rows without a teacher carry ``logp_old`` itself, so delta = 0 there) and ``response_mask`` (0/1 or bool, 1 on trainable
 tokens). "Taught" rows are those with sum_t |delta| > 0 on the mask. Which rows get a teacher (the first successful
 peer of the group; successes and all-fail groups get none) is decided upstream, by
 :func:`credit_plugins.hindsight.choose_peers`, when the teacher log-probs are computed.
@@ -49,7 +49,7 @@ Where this follows the authors' code rather than the paper summary ([S-code]):
 Decisions where the spec is open ([R]):
 
 * A row with no mask token is allowed: its output row is 0, its delta is 0 (untaught) and it still counts in its
-  anchor group (its return is a real sample). NaN/inf in ``lp_old`` / ``lp_teacher`` on mask tokens is a
+  anchor group (its return is a real sample). NaN/inf in ``logp_old`` / ``logp_teacher`` on mask tokens is a
   ``ValueError`` naming the field and the count; off the mask they are ignored (padding may hold anything).
 * Numerics: an anchor group whose discounted returns agree within rounding (max - min <= 1e-9 (1 + max |R|)) has no
   step evidence and A^S = 0 exactly there (the value in exact arithmetic; GiGPO's own A^S carries ~1e-16 of
@@ -85,7 +85,7 @@ from .grpo import EPISODE_STATS, episode_advantage
 __all__ = ["UniOPSDParams", "UniOPSD", "UniOPSDTerms", "ESTIMATOR", "uniopsd", "uniopsd_terms", "initial_state",
            "c_star", "shrunk_rho", "lambda_at", "token_inputs"]
 
-EXTRAS = ("lp_old", "lp_teacher", "token_mask")
+EXTRAS = ("logp_old", "logp_teacher", "response_mask")
 C_STAR_ONE = 1.0 - 1e-6      # c* at or above this switches the teacher off (authors' threshold)
 CONST_RTOL = 1e-9            # anchor-group returns equal within this relative spread carry no step evidence
 VARY_RTOL = 1e-12            # A^S / A^O "vary" on the both-evidence rows beyond this relative spread
@@ -168,33 +168,33 @@ def lambda_at(m: int, lam0: float, warmdown_steps: int) -> float:
 
 # ---- inputs ------------------------------------------------------------------------------------------------------
 def token_inputs(steps: StepTable) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validated ``(delta, mask)``: delta ``[S, L]`` float64 = lp_teacher - lp_old on mask tokens (0 off mask), mask
+    """Validated ``(delta, mask)``: delta ``[S, L]`` float64 = logp_teacher - logp_old on mask tokens (0 off mask), mask
     ``[S, L]`` bool; sorted order."""
     steps.require(*EXTRAS, by="estimator 'uniopsd'")
-    lp_old, lp_teacher, mask = (steps.extra(name) for name in EXTRAS)
-    if lp_old.ndim != 2:
-        raise ValueError(f"extras['lp_old'] has shape {tuple(lp_old.shape)}; UniOPSD needs [S, L] per-token "
+    logp_old, logp_teacher, mask = (steps.extra(name) for name in EXTRAS)
+    if logp_old.ndim != 2:
+        raise ValueError(f"extras['logp_old'] has shape {tuple(logp_old.shape)}; UniOPSD needs [S, L] per-token "
                          f"log-probs (one row per step, right-padded response tokens)")
-    for name, x in (("lp_teacher", lp_teacher), ("token_mask", mask)):
-        if tuple(x.shape) != tuple(lp_old.shape):
-            raise ValueError(f"extras[{name!r}] has shape {tuple(x.shape)} but extras['lp_old'] has "
-                             f"{tuple(lp_old.shape)}; lp_old, lp_teacher and token_mask must all be [S, L] over the "
+    for name, x in (("logp_teacher", logp_teacher), ("response_mask", mask)):
+        if tuple(x.shape) != tuple(logp_old.shape):
+            raise ValueError(f"extras[{name!r}] has shape {tuple(x.shape)} but extras['logp_old'] has "
+                             f"{tuple(logp_old.shape)}; logp_old, logp_teacher and response_mask must all be [S, L] over the "
                              f"same response tokens")
     if mask.dtype != torch.bool:
         if mask.is_complex():
-            raise ValueError("extras['token_mask'] is complex; give 0/1 or bool per token")
+            raise ValueError("extras['response_mask'] is complex; give 0/1 or bool per token")
         bad = ~((mask == 0) | (mask == 1))
         if bool(bad.any()):
-            raise ValueError(f"extras['token_mask'] has {int(bad.sum())} value(s) other than 0/1 (e.g. "
+            raise ValueError(f"extras['response_mask'] has {int(bad.sum())} value(s) other than 0/1 (e.g. "
                              f"{float(mask[bad][0])}); give 0/1 or bool, 1 on trainable response tokens")
         mask = mask == 1
     out = []
-    for name, x in (("lp_old", lp_old), ("lp_teacher", lp_teacher)):
+    for name, x in (("logp_old", logp_old), ("logp_teacher", logp_teacher)):
         x = x.to(torch.float64)
         bad = mask & ~torch.isfinite(x)
         if bool(bad.any()):
             raise ValueError(f"extras[{name!r}] has {int(bad.sum())} NaN/inf value(s) on mask tokens; recompute the "
-                             f"log-probs in float32 (or mask those tokens out in token_mask)")
+                             f"log-probs in float32 (or mask those tokens out in response_mask)")
         out.append(x)
     delta = torch.where(mask, out[1] - out[0], torch.zeros((), dtype=torch.float64))
     return delta, mask
@@ -263,9 +263,11 @@ def varies(x: torch.Tensor) -> bool:
 
 
 def pearson(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Pearson correlation with population stds (callers ensure both vary)."""
+    """Pearson correlation with population stds (callers ensure both vary), clipped to [-1, 1] against rounding
+    (perfectly (anti-)correlated sets give |r| = 1 + 2e-16 in float64)."""
     ac, bc = a - a.mean(), b - b.mean()
-    return float((ac * bc).mean() / (a.std(unbiased=False) * b.std(unbiased=False)))
+    r = float((ac * bc).mean() / (a.std(unbiased=False) * b.std(unbiased=False)))
+    return min(1.0, max(-1.0, r))
 
 
 # ---- one batch ---------------------------------------------------------------------------------------------------
@@ -458,9 +460,9 @@ ESTIMATOR = Estimator(
     fn=uniopsd,
     params=UniOPSDParams,
     paper="UniOPSD: Unified On-Policy Self-Distillation (arXiv:2609.34810); code Zenghuang-Fu/Uniopsd",
-    formula=textwrap.dedent(__doc__.split("\n\n")[2]) + "\nextras: lp_old, lp_teacher [S, L] float; token_mask "
+    formula=textwrap.dedent(__doc__.split("\n\n")[2]) + "\nextras: logp_old, logp_teacher [S, L] float; response_mask "
                                                         "[S, L] 0/1 or bool",
-    requires=("state", "lp_old", "lp_teacher", "token_mask"),
+    requires=("state", "logp_old", "logp_teacher", "response_mask"),
     output="token",
     stateful=UniOPSD,
 )

@@ -94,7 +94,7 @@ def make_verl_estimator(estimator: Estimator):
                 config: Any = None, non_tensor_batch: Mapping[str, np.ndarray] | None = None, **_: Any):
         params = estimator_params(config, estimator.name)
         p = estimator.make_params(**params)  # fail on a typo before touching the batch
-        if "lp_teacher" in estimator.requires:
+        if "logp_teacher" in estimator.requires:
             raise ValueError(HINDSIGHT_ON_VERL.format(name=estimator.name))
         meta = CURRENT.get()
         if meta is None and non_tensor_batch is not None:
