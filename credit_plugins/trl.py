@@ -41,7 +41,9 @@ TRL's ``scale_rewards`` and ``multi_objective_aggregation`` no longer shape the 
 normalisation does); a non-default value logs a warning. Unscorable rows (every reward function returned None) are
 left out of the table and get advantage 0, as in TRL. Stateful estimators (MVPO) keep one instance per trainer;
 its ``state_dict()`` is saved in each checkpoint (``agentcredit_estimator.pt``) and restored on resume.
-Metrics added to TRL's logs: ``agentcredit/{success,return,turns,valid,adv_mean,adv_std,adv_abs_max,steps}``.
+Metrics added to TRL's logs: ``agentcredit/{success,return,turns,valid,adv_mean,adv_std,adv_abs_max,steps}``, a
+stateful estimator's ``stats``, the rollout's ``metrics()`` as ``agentcredit/rollout/*`` (seconds, search cost) and,
+for the hindsight estimators, ``agentcredit/hindsight_*`` (taught fraction, seconds).
 """
 
 from __future__ import annotations
@@ -334,6 +336,11 @@ class CreditMixin:
         m["agentcredit/adv_std"].append(adv.std().item() if adv.numel() > 1 else 0.0)
         m["agentcredit/adv_abs_max"].append(adv.abs().max().item())
         m["agentcredit/estimator_seconds"].append(seconds)
+        rollout_metrics = getattr(getattr(self, "rollout_func", None), "metrics", None)
+        if callable(rollout_metrics):  # env_adapters' rollouts: success, valid rate, seconds, search cost
+            for k, v in rollout_metrics().items():
+                if isinstance(v, (int, float)) and v == v:
+                    m[f"agentcredit/rollout/{k}"].append(float(v))
         for k, v in (getattr(self._agentcredit, "stats", None) or {}).items():
             if isinstance(v, (int, float)) and v == v:
                 m[f"agentcredit/{k}"].append(float(v))
