@@ -51,15 +51,17 @@ def first_appearance(steps: StepTable) -> torch.Tensor:
     return first.scatter_reduce(0, steps.row_traj, steps.order, reduce="amin", include_self=True)
 
 
-def choose_peers(steps: StepTable, success_threshold: float = 1.0) -> torch.Tensor:
+def choose_peers(steps: StepTable, success_threshold: float | None = 1.0) -> torch.Tensor:
     """[N] int64: for each trajectory (dense id, as ``steps.traj_group``), the dense id of its group's first
-    successful trajectory (``R >= success_threshold``, first by input row); -1 for successful trajectories and for
-    every trajectory of a group without a success."""
-    if not isinstance(success_threshold, (int, float)) or success_threshold != success_threshold:
+    successful trajectory (``R >= success_threshold``, first by input row; ``success_threshold=None``: the table's
+    ``success`` flag, which a shaped reward cannot fake); -1 for successful trajectories and for every trajectory of
+    a group without a success."""
+    if success_threshold is not None and (not isinstance(success_threshold, (int, float))
+                                          or success_threshold != success_threshold):
         raise ValueError(f"success_threshold={success_threshold!r}; pass the episode return that counts as a success "
                          f"(1.0 for ALFWorld's 10-on-success reward)")
     n, n_groups = steps.n_traj, steps.n_groups
-    success = steps.returns >= float(success_threshold)
+    success = steps.traj_success if success_threshold is None else steps.returns >= float(success_threshold)
     first = first_appearance(steps)
     never = steps.n_steps  # larger than every input row index
     key = torch.where(success, first, torch.full_like(first, never))

@@ -5,7 +5,7 @@ UniOPSD and AlignOPSD (``DISTILL.md`` §7, §8) credit a failed trajectory's tok
 read, for a TRL generation batch in the one-row-per-turn layout (``env_adapters.trl.TurnRollout``):
 
 * the peer of each trajectory: :func:`credit_plugins.hindsight.choose_peers` (the first successful trajectory of
-  its group; successes and all-fail groups get none);
+  its group by the rollout's success flag, or UniOPSD's ``peer_success_threshold`` on the return; successes and all-fail groups get none);
 * the hindsight prompt of each row of a trajectory with a peer: the peer's action sequence
   (:func:`credit_plugins.hindsight.peer_prefix`) inserted at the start of the row's **last user message** (after
   ``<|im_start|>user\\n``; at the very start when the template has no such marker). [R] The authors' code prepends
@@ -118,12 +118,14 @@ def hindsight_extras(trainer, output: dict[str, Any], steps: StepTable, local_ro
     completion_mask = output["completion_mask"].detach().cpu()[rows]
     if output.get("tool_mask") is not None:
         completion_mask = completion_mask * output["tool_mask"].detach().cpu()[rows]
-    student_prompts = [_row_prompts(output)[int(i)] for i in rows]
+    all_prompts = _row_prompts(output)
+    student_prompts = [all_prompts[int(i)] for i in rows]
     texts = tok.batch_decode(completion_ids.masked_fill(completion_mask == 0, pad), skip_special_tokens=True)
 
     # the peer's action sequence, per trajectory (dense ids of `steps`)
-    threshold = float(getattr(params, "peer_success_threshold", 1.0))
-    peer = choose_peers(steps, success_threshold=threshold)
+    # default: the rollout's success flag, not a return threshold (with progress shaping a failed episode's return
+    # can pass one); UniOPSD's peer_success_threshold may set a return threshold instead
+    peer = choose_peers(steps, success_threshold=getattr(params, "peer_success_threshold", None))
     row_traj = steps.row_traj[steps.inverse]      # input order
     row_t = steps.t[steps.inverse]
     actions: dict[int, list[tuple[int, str]]] = {}

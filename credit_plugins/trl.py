@@ -276,7 +276,7 @@ class CreditMixin:
             local_turn = torch.tensor([r[2] for r in all_rows])[mine]
             estimator = registry.get(self.credit)
             if "logp_teacher" in estimator.requires:
-                steps = self._agentcredit_hindsight(output, steps, local_row, extras, local_inputs, mode)
+                steps = self._agentcredit_hindsight(output, steps, local_row, extras, local_inputs, mode, cols[11])
             adv = self._agentcredit(steps).to(torch.float32)
             if adv.dim() == 2:  # per token: each step row is one whole completion row (one-row-per-turn)
                 if adv.size(1) != mask.size(1):
@@ -297,7 +297,7 @@ class CreditMixin:
         return output
 
     def _agentcredit_hindsight(self, output, steps: StepTable, local_row: torch.Tensor, extras: dict, local_inputs,
-                               mode: str) -> StepTable:
+                               mode: str, valid) -> StepTable:
         """``steps`` with the token-level hindsight extras (:mod:`credit_plugins.privileged`) of UniOPSD/AlignOPSD."""
         from .privileged import hindsight_extras
 
@@ -310,6 +310,8 @@ class CreditMixin:
                              f"rollout_func=env_adapters.trl.TurnRollout (recipes: agentcredit.rollout: turns)")
         params = getattr(self._agentcredit, "params", None)
         token = hindsight_extras(self, output, steps, local_row.tolist(), self.credit, params)
+        if self.credit == "alignopsd":  # its invalid-action residual reads each turn's validity
+            token["valid"] = torch.tensor([bool(v) for v in valid])
         stats = token.pop("_stats")
         for k, v in stats.items():
             self._metrics[mode][f"agentcredit/hindsight_{k}"].append(float(v))

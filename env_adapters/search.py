@@ -76,7 +76,7 @@ def fork_starts(tree: list[Node], beam: int, branches: int, criterion: str, alph
     sib = torch.tensor([len(roots) - 1 if c < 0 else
                         (len(tree[tree[c].parent].children) if tree[c].parent >= 0 else len(roots)) - 1
                         for c in cands], dtype=torch.float64)
-    scores = host_scores(ent, sib, alpha=alpha) if criterion == "host" else sfc_scores(ent, sib, lam=lam)
+    scores = host_scores(ent, sib, alpha=alpha) if criterion == "host" else sfc_scores(ent, sib, lam=lam, alpha=alpha)
     picked, ranks = select_top_k(scores, beam)
     for c, r in zip(cands, ranks.tolist()):
         if c >= 0:

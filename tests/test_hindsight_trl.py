@@ -175,3 +175,14 @@ def test_hindsight_estimator_outside_the_turn_layout_is_refused(tmp_path):
 
     with pytest.raises(ValueError, match=r"one-row-per-turn layout.*TurnRollout"):
         train_plain(make_trainer(GRPOTrainer, credit="uniopsd"), str(tmp_path), steps=1)
+
+
+def test_peers_come_from_the_success_flag_so_shaped_returns_cannot_fake_one():
+    from credit_plugins.hindsight import choose_peers
+
+    # traj 0 failed with return 3 (progress shaping), traj 1 succeeded (12), traj 2 failed (-1)
+    steps = cp.StepTable(group=[0, 0, 0], traj=[0, 1, 2], t=[0, 0, 0], reward=[3.0, 12.0, -1.0],
+                         success=[False, True, False])
+    assert choose_peers(steps, success_threshold=1.0).tolist() == [-1, -1, 0]  # the return rule picks the failure
+    assert choose_peers(steps, success_threshold=None).tolist() == [1, -1, 1]  # the bridge's default
+    assert cp.get("uniopsd").make_params().peer_success_threshold is None

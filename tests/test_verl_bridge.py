@@ -354,3 +354,14 @@ def test_stateful_estimator_state_is_saved_with_the_checkpoint_and_restored_on_r
     finally:
         adapter.INSTANCES.pop("counter", None)
         adapter.PENDING.clear()
+
+
+def test_list_extras_keep_their_dtype_and_ragged_rows_are_padded():
+    from credit_plugins.verl.contract import _extra_column
+
+    mask = _extra_column([[True, False], [True, True, True]], "legal_mask")
+    assert mask.dtype == bool and mask.tolist() == [[True, False, False], [True, True, True]]
+    assert _extra_column([[1, 2], [3]], "visits").dtype == np.int64
+    assert _extra_column([[0.5, 0.5], [1.0]], "legal_p").tolist() == [[0.5, 0.5], [1.0, 0.0]]
+    parent = _extra_column(["a-1", None], "parent")
+    assert parent.tolist() == [cp.stable_hash("a-1"), -1]

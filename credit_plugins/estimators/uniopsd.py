@@ -110,8 +110,10 @@ class UniOPSDParams:
     eps: float = param(1e-6, "Floor of variances, precisions and denominators.")
     frozen_rho: float | None = param(None, "If set, rho_hat is this value on every batch (the paper's 'frozen "
                                      "rho = 0.25' ablation); None estimates it from previous batches.")
-    peer_success_threshold: float = param(1.0, "Episode return that makes a trajectory a successful peer; read by "
-                                          "the hindsight scoring (credit_plugins.hindsight.choose_peers), not here.")
+    peer_success_threshold: float | None = param(
+        None, "What makes a trajectory a successful peer, read by the hindsight scoring "
+        "(credit_plugins.hindsight.choose_peers), not here: None = the rollout's success flag (robust to progress "
+        "shaping); a number = episode return >= it (the authors' peer_success_threshold 1.0 on ALFWorld's 10/0).")
 
     def __post_init__(self):
         checks = [
@@ -123,7 +125,8 @@ class UniOPSDParams:
             ("lam0", 0.0 <= self.lam0 <= 1.0, "lambda_0 must lie in [0, 1] (0.5 in the paper)"),
             ("clip_eps", 0.0 <= self.clip_eps < 1.0, "eps_w must lie in [0, 1) so the weight stays > 0 (0.2)"),
             ("eps", self.eps > 0, "it must be > 0 so a zero variance does not divide by zero"),
-            ("peer_success_threshold", math.isfinite(self.peer_success_threshold), "use a finite return (1.0)"),
+            ("peer_success_threshold", self.peer_success_threshold is None or math.isfinite(self.peer_success_threshold),
+             "use None (the success flag) or a finite return (1.0)"),
         ]
         for name, ok, fix in checks:
             if not ok:

@@ -110,7 +110,8 @@ ID_EXTRAS = ("parent",)
 def _extra_column(values: list[Any], name: str = "") -> Any:
     """A per-row list as a StepTable extras column: lists of numbers (milestones) become a 2-D array; an id column
     (:data:`ID_EXTRAS`) becomes the int64 keys the StepTable gives the named rows' ``traj`` (None: -1). Blocks of
-    bools stay bool, of ints int64, anything else float64."""
+    bools stay bool, of ints int64, anything else float64; rows of different lengths are right-padded with 0/False
+    (e.g. ASCT's tables in an env whose legal set varies: only the legal_mask columns are read)."""
     if name in ID_EXTRAS:
         from ..hashing import stable_hash
 
@@ -118,10 +119,15 @@ def _extra_column(values: list[Any], name: str = "") -> Any:
     if values and isinstance(values[0], (list, tuple, np.ndarray)):
         flat = [x for v in values for x in v]
         if all(isinstance(x, (bool, np.bool_)) for x in flat):
-            return np.asarray(values, dtype=bool)
-        if all(isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) for x in flat):
-            return np.asarray(values, dtype=np.int64)
-        return np.asarray(values, dtype=np.float64)
+            dtype = bool
+        elif all(isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) for x in flat):
+            dtype = np.int64
+        else:
+            dtype = np.float64
+        out = np.zeros((len(values), max(len(v) for v in values)), dtype=dtype)  # ragged rows: right-padded
+        for i, v in enumerate(values):
+            out[i, :len(v)] = v
+        return out
     return values
 
 
