@@ -26,8 +26,11 @@ Where the steps come from (the first that applies)
 --------------------------------------------------
 1. **One row per turn** (``env_adapters.trl.TurnRollout``): the rows carry the extra fields
    ``agentcredit_traj`` (-1: padding row, left out), ``agentcredit_t``, ``agentcredit_state``,
-   ``agentcredit_action``, ``agentcredit_success``, ``agentcredit_truncated`` and ``agentcredit_valid``. A row is one
-   step; its reward is the row's TRL reward (the rollout's ``reward_func`` returns the step reward).
+   ``agentcredit_action``, ``agentcredit_success``, ``agentcredit_truncated`` and ``agentcredit_valid``, and
+   optionally ``agentcredit_extras`` (a dict per row, turned into StepTable extras: scalars ``[S]``, lists
+   ``[S, A]``; a tree's ``parent`` gets the rank offset of ``traj``). A row is one step; its reward is the row's TRL
+   reward (the rollout's ``reward_func`` returns the step reward). Token-level estimators (``[S, T]``: UniOPSD and
+   AlignOPSD, whose hindsight extras :mod:`credit_plugins.privileged` computes here) need this layout.
 2. **One row per episode** (``environment_factory``, TRL's tool loop): the environment instance of row ``i``
    (``trainer.environments[i]``) keeps ``agentcredit_turns`` (one record ``{state, action, reward, valid}`` per tool
    call), ``agentcredit_final_state``, ``agentcredit_success`` and ``agentcredit_done``. The turns are the runs of
