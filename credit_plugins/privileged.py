@@ -166,10 +166,7 @@ def hindsight_extras(trainer, output: dict[str, Any], steps: StepTable, local_ro
             from .estimators import alignopsd
 
             extras.update(emb_student=emb_s, emb_teacher=emb_t)
-            with_emb = StepTable(group=steps.group[steps.inverse], traj=steps.traj[steps.inverse], t=row_t,
-                                 reward=steps.reward[steps.inverse], success=steps.success[steps.inverse],
-                                 extras=extras)
-            src, _ = alignopsd.select_sources(with_emb, params)
+            src, _ = alignopsd.select_sources(steps.with_extras(extras), params)
             pairs = (src >= 0).nonzero().tolist()
             n_pairs = len(pairs)
             logp_cross = torch.zeros(len(rows), src.size(1), completion_ids.size(1), dtype=torch.float32)

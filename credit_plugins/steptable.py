@@ -38,7 +38,7 @@ import torch
 from .hashing import FAILURE_KEY, RESERVED_KEYS, SUCCESS_KEY, stable_hash_many
 from .segments import dense_ids, discounted_cumsum, segment_sum
 
-__all__ = ["StepTable", "SUCCESS_KEY", "FAILURE_KEY"]
+__all__ = ["StepTable", "SUCCESS_KEY", "FAILURE_KEY", "list_block"]
 
 logger = logging.getLogger("agentcredit")
 
@@ -81,6 +81,23 @@ def _as_tensor(name: str, values: ArrayLike, dtype: torch.dtype) -> torch.Tensor
     except (TypeError, ValueError) as e:
         raise ValueError(f"StepTable.{name} could not be read as {dtype}: {e}") from None
     return out.to(dtype)
+
+
+def list_block(values: Sequence[Sequence[Any]]) -> np.ndarray:
+    """An ``[S, A]`` extras block from one list per row (the bridges' per-row extras: ASCT's tables, MVPO's
+    milestones): bool if every value is a bool, int64 if every value is an int, float64 otherwise; rows of different
+    lengths are right-padded with 0 / False."""
+    flat = [x for v in values for x in v]
+    if all(isinstance(x, (bool, np.bool_)) for x in flat):
+        dtype: Any = bool
+    elif all(isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) for x in flat):
+        dtype = np.int64
+    else:
+        dtype = np.float64
+    out = np.zeros((len(values), max((len(v) for v in values), default=0)), dtype=dtype)
+    for i, v in enumerate(values):
+        out[i, :len(v)] = v
+    return out
 
 
 class StepTable:
@@ -205,6 +222,12 @@ class StepTable:
         if missing:
             raise ValueError(f"{by} needs StepTable field(s) {missing}; pass them to StepTable(...) (in verl: set "
                              f"them in each AgentLoopOutput's extra_fields, see credit_plugins.verl)")
+
+    def with_extras(self, extras: dict[str, ArrayLike]) -> StepTable:
+        """A new table of the same rows, in the same input order, with ``extras`` added to (or replacing) these."""
+        inv = self.inverse
+        cols = {name: getattr(self, "_" + name)[inv] for name in self.FIELDS if name in self._given}
+        return StepTable(**cols, extras={**{k: v[inv] for k, v in self._extras.items()}, **extras})
 
     def extra(self, name: str) -> torch.Tensor:
         """The optional block ``name`` given in ``extras``, sorted by ``(traj, t)`` like every column."""

@@ -62,7 +62,7 @@ import torch
 
 from . import registry
 from .hashing import stable_hash
-from .steptable import StepTable
+from .steptable import StepTable, list_block
 
 __all__ = ["CreditMixin", "make_trainer", "check_trl", "TRLInternalsChanged", "turn_ids_from_mask", "ROW_FIELDS",
            "STATE_FILE"]
@@ -188,14 +188,7 @@ def _row_extras(per_row: Sequence[dict], rank_offsets: Sequence[int]) -> dict[st
                              f"rollout must give every row the same extras")
         values = [d[name] for d in per_row]
         if isinstance(values[0], (list, tuple)):
-            width = max((len(v) for v in values), default=0)
-            flat = [x for v in values for x in v]
-            dtype = (torch.bool if all(isinstance(x, bool) for x in flat) else
-                     torch.int64 if all(isinstance(x, int) for x in flat) else torch.float64)
-            col = torch.zeros(len(values), width, dtype=dtype)
-            for i, v in enumerate(values):
-                if len(v):
-                    col[i, :len(v)] = torch.tensor(list(v), dtype=dtype)
+            col = torch.from_numpy(list_block(values))
             out[name] = col
         else:
             col = torch.tensor(values)
@@ -279,7 +272,7 @@ class CreditMixin:
             local_turn = torch.tensor([r[2] for r in all_rows])[mine]
             estimator = registry.get(self.credit)
             if "logp_teacher" in estimator.requires:
-                steps = self._agentcredit_hindsight(output, steps, local_row, extras, local_inputs, mode, cols[11])
+                steps = self._agentcredit_hindsight(output, steps, local_row, local_inputs, mode, cols[11])
             adv = self._agentcredit(steps).to(torch.float32)
             if adv.dim() == 2:  # per token: each step row is one whole completion row (one-row-per-turn)
                 if adv.size(1) != mask.size(1):
@@ -299,8 +292,8 @@ class CreditMixin:
         output["advantages"] = advantages.to(output["completion_ids"].device)
         return output
 
-    def _agentcredit_hindsight(self, output, steps: StepTable, local_row: torch.Tensor, extras: dict, local_inputs,
-                               mode: str, valid) -> StepTable:
+    def _agentcredit_hindsight(self, output, steps: StepTable, local_row: torch.Tensor, local_inputs, mode: str,
+                               valid) -> StepTable:
         """``steps`` with the token-level hindsight extras (:mod:`credit_plugins.privileged`) of UniOPSD/AlignOPSD."""
         from .privileged import hindsight_extras
 
@@ -318,10 +311,7 @@ class CreditMixin:
         stats = token.pop("_stats")
         for k, v in stats.items():
             self._metrics[mode][f"agentcredit/hindsight_{k}"].append(float(v))
-        inv = steps.inverse
-        return StepTable(group=steps.group[inv], traj=steps.traj[inv], t=steps.t[inv], state=steps.state[inv],
-                         action=steps.action[inv], reward=steps.reward[inv], success=steps.success[inv],
-                         truncated=steps.truncated[inv], extras={**extras, **token})
+        return steps.with_extras(token)
 
     def _agentcredit_gather(self, rows: list[tuple]) -> list[tuple]:
         if self.accelerator.num_processes == 1:

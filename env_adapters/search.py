@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Node", "require_search_env", "fork_starts", "new_root"]
+__all__ = ["Node", "require_search_env", "fork_starts", "new_root", "decision_row"]
 
 
 def new_root() -> dict[str, Any]:
@@ -47,8 +47,8 @@ class Node:
     depth: int
     prompt_ids: list[int]
     completion_ids: list[int]
-    state: int
-    action: int
+    state: Any                 # anchor key before the action, in the bridge's form (TRL: stable hash; verl: the string)
+    action: Any                # semantic action key (TRL: stable hash, -1 invalid; verl: the string, None invalid)
     reward: float
     valid: bool
     surprisal: float
@@ -62,6 +62,8 @@ class Node:
     sel_rank: int = -1
     sel_ncand: int = 0
     selected: bool = False
+    response_mask: list[int] | None = None   # verl: the response tokens' mask (TRL: all ones)
+    logprobs: list[float] | None = None      # verl: the server's sampled log-probs, when the rollout asks for them
 
 
 def fork_starts(tree: list[Node], beam: int, branches: int, criterion: str, alpha: float, lam: float,
@@ -98,3 +100,23 @@ def fork_starts(tree: list[Node], beam: int, branches: int, criterion: str, alph
                 ret = tree[v.parent].path_return if v.parent >= 0 else 0.0
                 starts.append((v.parent, v.snapshot, v.depth, ret, True))
     return starts
+
+
+def decision_row(env, values, action_text: str | None, legal_p, width: int, invalid_utility: float) -> dict[str, Any]:
+    """ASCT's decision-table extras of one turn: ``values`` (the evaluator's ``ActionValues`` at the decision
+    state) and the frozen actor's ``legal_p`` in the legal actions' columns, zero padding up to ``width - 1``, and
+    the last column "invalid": chosen when the answer is not a legal action, with ``p = 0`` and
+    ``q = min_a q - invalid_utility`` [R]."""
+    legal = list(values.actions)
+    n, pad = len(legal), width - len(legal)
+    q = [float(v) for v in values.q] + [0.0] * pad
+    visits = [int(v) for v in values.visits] + [0] * pad
+    mask = [True] * n + [False] * pad
+    key = env.action_key(action_text) if action_text is not None else None
+    if key is not None and key in legal:
+        chosen = legal.index(key)
+    else:
+        chosen = width - 1
+        q[chosen], visits[chosen], mask[chosen] = min(q[:n]) - invalid_utility, 1, True
+    return {"legal_p": [float(x) for x in list(legal_p)[:n]] + [0.0] * pad, "legal_mask": mask, "q": q,
+            "visits": visits, "chosen": chosen}

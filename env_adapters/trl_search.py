@@ -41,7 +41,7 @@ import torch
 from credit_plugins.hashing import stable_hash
 
 from .prompting import build_prompt, parse_action
-from .search import Node, fork_starts, new_root, require_search_env
+from .search import Node, decision_row, fork_starts, new_root, require_search_env
 from .trl import ACTION_PREFIX, TurnRollout, _chat_text, _cut, _eos_ids, _legal, compact_prompt
 
 __all__ = ["CounterfactualRollout", "TreeRollout", "require_search_env"]
@@ -110,19 +110,8 @@ class CounterfactualRollout(TurnRollout):
             for i, env in enumerate(envs):
                 values = self.evaluator.evaluate(env)
                 stats["extra_env_steps"] += float(values.new_steps)
-                q = [float(v) for v in values.q] + [0.0] * (width - len(legal[i]))
-                visits = [int(v) for v in values.visits] + [0] * (width - len(legal[i]))
-                mask_i = [bool(m) for m in legal_mask[i]]
-                key = env.action_key(action_texts[i]) if action_texts[i] is not None else None
-                if key is not None and key in legal[i]:
-                    chosen = legal[i].index(key)
-                else:  # the extra "invalid" column: never sampled by the frozen actor, worse than any legal action
-                    chosen = width - 1
-                    q[chosen] = min(q[:len(legal[i])]) - self.invalid_utility
-                    visits[chosen] = 1
-                    mask_i[chosen] = True
-                out.append({"legal_p": [float(x) for x in p[i]], "legal_mask": mask_i, "q": q, "visits": visits,
-                            "chosen": chosen})
+                out.append(decision_row(env, values, action_texts[i], p[i][:len(legal[i])], width,
+                                        self.invalid_utility))
             stats["label_forwards"] += float(len(labels))
             stats["search_seconds"] += time.perf_counter() - t0
             return out

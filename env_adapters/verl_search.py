@@ -31,7 +31,7 @@ from uuid import uuid4
 from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput, register
 
 from .prompting import build_prompt, parse_action
-from .search import Node, fork_starts, new_root, require_search_env
+from .search import Node, decision_row, fork_starts, new_root, require_search_env
 from .verl import EnvAgentLoop, _plain, _sample_field
 
 __all__ = ["CounterfactualAgentLoop", "TreeAgentLoop"]
@@ -57,18 +57,9 @@ class CounterfactualAgentLoop(EnvAgentLoop):
 
     def step_extras(self, env, action_text: str | None) -> dict[str, Any]:
         require_search_env(env, "agentcredit_counterfactual (ASCT)")
-        legal = list(env.legal_actions())
         values = self.evaluator.evaluate(env)
-        n = len(legal)
-        q = [float(v) for v in values.q] + [0.0]
-        visits = [int(v) for v in values.visits] + [0]
-        mask = [True] * n + [False]
-        key = env.action_key(action_text) if action_text is not None else None
-        if key is not None and key in legal:
-            chosen = legal.index(key)
-        else:
-            chosen, q[n], visits[n], mask[n] = n, min(q[:n]) - self.invalid_utility, 1, True
-        return {"legal_p": [1.0 / n] * n + [0.0], "legal_mask": mask, "q": q, "visits": visits, "chosen": chosen}
+        n = len(values.actions)
+        return decision_row(env, values, action_text, [1.0 / n] * n, n + 1, self.invalid_utility)
 
 
 @register("agentcredit_tree")
@@ -118,11 +109,11 @@ class TreeAgentLoop(EnvAgentLoop):
             anchor = env.state_key()
             result = env.step(action_text)
             node = Node(id=len(tree), parent=parent, depth=depth, prompt_ids=list(prompt_ids), completion_ids=ids,
-                        state=0, action=0, reward=float(result.reward), valid=key is not None,
+                        state=anchor, action=key, reward=float(result.reward), valid=key is not None,
                         surprisal=float(surprisal), fresh=fresh, snapshot=before,
-                        path_return=ret + float(result.reward))
-            node.anchor, node.action_key, node.mask = anchor, key, [1] * len(out.token_ids[: self.response_length])
-            node.logprobs = lps if sampling_params.get("logprobs") else None
+                        path_return=ret + float(result.reward),
+                        response_mask=[1] * len(out.token_ids[: self.response_length]),
+                        logprobs=lps if sampling_params.get("logprobs") else None)
             tree.append(node)
             if parent >= 0:
                 tree[parent].children.append(node.id)
@@ -153,7 +144,7 @@ class TreeAgentLoop(EnvAgentLoop):
         mean_return = sum(n.path_return for n in leaves) / max(len(leaves), 1)
         outputs = []
         for i, n in enumerate(tree):
-            extra = {"traj_uid": f"{tag}-{n.id}", "step_idx": 0, "anchor_key": n.anchor, "action_key": n.action_key,
+            extra = {"traj_uid": f"{tag}-{n.id}", "step_idx": 0, "anchor_key": n.state, "action_key": n.action,
                      "step_reward": n.path_return if n.leaf else 0.0, "valid": n.valid, "success": n.success,
                      "truncated": n.truncated, "parent": f"{tag}-{n.parent}" if n.parent >= 0 else None,
                      "surprisal": n.surprisal, "fresh": n.fresh, "sel_rank": n.sel_rank, "sel_ncand": n.sel_ncand,
@@ -161,7 +152,7 @@ class TreeAgentLoop(EnvAgentLoop):
                      "reward_extra_info": {"success": float(n.success), "episode_return": n.path_return,
                                            "episode_steps": n.depth + 1}}
             outputs.append(AgentLoopOutput(
-                prompt_ids=n.prompt_ids, response_ids=n.completion_ids, response_mask=n.mask or [0],
+                prompt_ids=n.prompt_ids, response_ids=n.completion_ids, response_mask=n.response_mask or [0],
                 response_logprobs=n.logprobs, reward_score=mean_return if i == len(tree) - 1 else None,
                 num_turns=2, metrics=AgentLoopMetrics(), extra_fields=extra))
         return outputs

@@ -154,3 +154,16 @@ def test_batch_without_anchor_revisits_is_valid_and_logged_at_debug(caplog):
     assert torch.equal(adv, cp.get("grpo")(steps, episode_stats="steps"))
     assert any("none of the 3 anchor states repeats" in r.message and r.levelno == logging.DEBUG
                for r in caplog.records)
+
+
+def test_with_extras_keeps_the_rows_their_input_order_and_given_fields():
+    steps = StepTable(group=[0, 0, 1], traj=["b", "a", "a2"], t=[0, 0, 0], reward=[1.0, 0.0, 2.0],
+                         state=["s", "s", "u"], extras={"k": [10, 20, 30]})
+    more = steps.with_extras({"m": torch.tensor([1.5, 2.5, 3.5])})
+    assert more.order.tolist() == steps.order.tolist()
+    assert more.extra("m")[more.inverse].tolist() == [1.5, 2.5, 3.5]
+    assert more.extra("k")[more.inverse].tolist() == [10, 20, 30]
+    assert torch.equal(more.state, steps.state) and torch.equal(more.reward, steps.reward)
+    with pytest.raises(ValueError, match="truncated"):  # an optional field not given stays not given
+        more.require("truncated")
+    assert steps.with_extras({"k": [7, 8, 9]}).extra("k")[steps.inverse].tolist() == [7, 8, 9]

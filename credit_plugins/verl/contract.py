@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..steptable import StepTable
+from ..steptable import StepTable, list_block
 
 STEP_IDX, ANCHOR, ACTION, STEP_REWARD, SUCCESS, TRUNCATED, TRAJ = (
     "step_idx", "anchor_key", "action_key", "step_reward", "success", "truncated", "traj_uid")
@@ -117,17 +117,7 @@ def _extra_column(values: list[Any], name: str = "") -> Any:
 
         return np.asarray([-1 if v is None else stable_hash(str(v)) for v in values], dtype=np.int64)
     if values and isinstance(values[0], (list, tuple, np.ndarray)):
-        flat = [x for v in values for x in v]
-        if all(isinstance(x, (bool, np.bool_)) for x in flat):
-            dtype = bool
-        elif all(isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) for x in flat):
-            dtype = np.int64
-        else:
-            dtype = np.float64
-        out = np.zeros((len(values), max(len(v) for v in values)), dtype=dtype)  # ragged rows: right-padded
-        for i, v in enumerate(values):
-            out[i, :len(v)] = v
-        return out
+        return list_block(values)
     return values
 
 
