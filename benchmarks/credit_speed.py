@@ -245,7 +245,7 @@ def run_estimator(name, steps):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     parser.add_argument("--estimators", nargs="+", default=None, help="default: every registered estimator")
     parser.add_argument("--repeat", type=int, default=3, help="best of N runs of the vectorised estimator")

@@ -142,7 +142,7 @@ def run_raw(raw_factory, actions):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=None,
                     help="steps per env (default: 3000 for minigrid/sokoban, 300 for textworld/alfworld)")
     ap.add_argument("--envs", nargs="+", default=list(ENVS), choices=ENVS)

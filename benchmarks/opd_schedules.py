@@ -25,7 +25,7 @@ METHODS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--teacher", required=True, help="teacher checkpoint (agentcredit sft --out)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default="runs/bench/opd_schedules")
@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="recipe overrides for every method (key=value)")
     args = parser.parse_args(argv)
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    from credit_plugins import train
-    from credit_plugins.recipe import load_recipe
+    from agentcredit import train
+    from agentcredit.recipe import load_recipe
 
     root = Path(__file__).resolve().parents[1]
     recipe_path = str(root / "recipes" / "trl" / "minigrid_gigpo.yaml")

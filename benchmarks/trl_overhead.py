@@ -3,7 +3,7 @@
     python benchmarks/trl_overhead.py                 # tiny Qwen2, minigrid, one row per turn, 8 steps per trainer
     python benchmarks/trl_overhead.py --steps 20 --credits gigpo graphhca crbc
 
-Every trainer gets the same tiny model (``tiny-qwen2``), the same ``env_adapters.trl.TurnRollout`` on a seeded
+Every trainer gets the same tiny model (``tiny-qwen2``), the same ``agentcredit.trl.rollouts.TurnRollout`` on a seeded
 MiniGrid room and the same GRPOConfig; only the trainer class differs (stock ``trl.GRPOTrainer`` or
 ``make_trainer(GRPOTrainer, credit=...)``). The runs alternate (stock, credit 1, credit 2, ..., repeated
 ``--repeats`` times) so that drift on the machine hits all of them; the first step of each run (warm-up) is left out
@@ -31,8 +31,8 @@ def step_times(trainer_cls, steps: int, workdir: str, env_options: dict, episode
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig
 
-    from credit_plugins.models import resolve_model
-    from env_adapters.trl import TurnRollout
+    from agentcredit.models import resolve_model
+    from agentcredit.trl.rollouts import TurnRollout
 
     class Clock(TrainerCallback):
         def __init__(self):
@@ -63,7 +63,7 @@ def step_times(trainer_cls, steps: int, workdir: str, env_options: dict, episode
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--credits", nargs="+", default=["gigpo", "graphhca"])
@@ -74,7 +74,7 @@ def main(argv=None) -> None:
     import torch
     from trl import GRPOTrainer
 
-    from credit_plugins.trl import make_trainer
+    from agentcredit.trl import make_trainer
 
     torch.set_num_threads(os.cpu_count() or 1)
     env_options = {"size": 6, "moves": "absolute", "shaping": 1.0}

@@ -5,8 +5,8 @@
     >>> cp.get("gigpo")(steps, gamma=0.95).shape
     torch.Size([2])
 
-Importing this package needs neither verl nor TRL; the bridges live in ``credit_plugins.verl`` and
-``credit_plugins.trl``.
+Importing this package needs neither verl nor TRL; the bridges live in ``agentcredit.verl`` and
+``agentcredit.trl``.
 """
 
 from .estimator import Estimator, param

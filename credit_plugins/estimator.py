@@ -12,7 +12,33 @@ import torch
 
 from .steptable import StepTable
 
-__all__ = ["Estimator", "BoundEstimator", "param", "make_params"]
+__all__ = ["Estimator", "BoundEstimator", "Extra", "SOURCES", "param", "make_params"]
+
+#: The rollout pieces that produce StepTable extras: what a bridge or a recipe must run for an estimator to get them.
+SOURCES = {
+    "env": "the environment adapter, on every step of every rollout (e.g. MVPO's progress signature)",
+    "turns": "the turn rollout's own bookkeeping (e.g. whether the turn's action parsed)",
+    "hindsight": "hindsight scoring: the policy re-scores a failed rollout under a successful sibling's actions "
+                 "(TRL: agentcredit.trl.privileged; not possible on verl 0.9.1)",
+    "counterfactual": "counterfactual decisions from env snapshots (TRL CounterfactualRollout, verl "
+                      "agentcredit_counterfactual loop; recipes: agentcredit.rollout: counterfactual)",
+    "tree": "tree rollouts forked from env snapshots (TRL TreeRollout, verl agentcredit_tree loop; recipes: "
+            "agentcredit.rollout: tree)",
+}
+
+
+@dataclass(frozen=True)
+class Extra:
+    """One StepTable extra an estimator reads: its name, the rollout piece that produces it (a key of
+    :data:`SOURCES`) and whether the estimator needs it (``required``) or uses it when present."""
+
+    name: str
+    source: str
+    required: bool = True
+
+    def __post_init__(self):
+        if self.source not in SOURCES:
+            raise ValueError(f"Extra({self.name!r}): unknown source {self.source!r}; one of {sorted(SOURCES)}")
 
 
 def param(default: Any, help: str, **kwargs: Any) -> Any:  # noqa: A002 - mirrors TRL's field(metadata={"help"})
@@ -50,7 +76,11 @@ class Estimator:
         params: a dataclass of hyperparameters, each declared with :func:`param`; it validates in ``__post_init__``.
         paper: citation of the method's paper.
         formula: the formula the code computes, in plain text.
-        requires: StepTable fields the estimator reads beyond ``group, traj, t, reward``.
+        requires: StepTable columns the estimator reads beyond ``group, traj, t, reward`` (``state``, ``action``,
+            ``success``, ``truncated``).
+        extras: the data contract for everything else: each :class:`Extra` the estimator reads, required or
+            optional, with the rollout piece that produces it. Bridges and the recipe loader read this record
+            (:meth:`sources`, :meth:`reads`, :meth:`extra_names`) instead of knowing estimators by name.
         output: ``"step"`` ([S]) or ``"token"`` ([S, L]).
         stateful: ``None`` for a pure estimator. For a method that carries state from batch to batch (MVPO's
             kappa schedule and milestone weights, SIPO's a2), the class holding that state: built as
@@ -72,6 +102,33 @@ class Estimator:
     requires: tuple[str, ...] = ()
     output: str = "step"
     stateful: type | None = None
+    extras: tuple[Extra, ...] = ()
+
+    def __post_init__(self):
+        unknown = sorted(set(self.requires) - set(StepTable.FIELDS))
+        if unknown:
+            raise ValueError(f"estimator {self.name!r}: requires={unknown} are not StepTable columns "
+                             f"{StepTable.FIELDS}; declare extras with extras=(Extra(name, source), ...)")
+        if self.output not in ("step", "token"):
+            raise ValueError(f"estimator {self.name!r}: output must be 'step' or 'token', got {self.output!r}")
+
+    @property
+    def required_fields(self) -> tuple[str, ...]:
+        """Columns and extras a StepTable must carry for this estimator."""
+        return self.requires + self.extra_names(required=True)
+
+    def extra_names(self, required: bool | None = None) -> tuple[str, ...]:
+        """Names of the declared extras: all (``None``), the required ones (``True``) or the optional ones."""
+        return tuple(e.name for e in self.extras if required is None or e.required == required)
+
+    def reads(self, name: str) -> bool:
+        """Whether the estimator reads the extra ``name`` (required or optional)."""
+        return any(e.name == name for e in self.extras)
+
+    def sources(self, required: bool | None = True) -> frozenset[str]:
+        """The rollout pieces (keys of :data:`SOURCES`) that produce the extras the estimator needs (default) or
+        reads (``required=None``)."""
+        return frozenset(e.source for e in self.extras if required is None or e.required == required)
 
     def make_params(self, **values: Any):
         return make_params(self.params, values, owner=f"estimator {self.name!r}")
@@ -96,7 +153,7 @@ class Estimator:
                 f"its state_dict() with your checkpoint: est = credit_plugins.get({self.name!r}).create(**params); "
                 f"adv = est(steps)")
         p = self.make_params(**params)
-        steps.require(*self.requires, by=f"estimator {self.name!r}")
+        steps.require(*self.required_fields, by=f"estimator {self.name!r}")
         with torch.no_grad():
             out = self.fn(steps, p)
         return steps.to_input_order(out).to(torch.float32)
@@ -110,6 +167,8 @@ class Estimator:
         lines += ["  " + ln for ln in textwrap.dedent(self.formula).strip().splitlines()]
         lines += ["", f"output: [{'S' if self.output == 'step' else 'S, L'}] float32",
                   f"required StepTable fields: {', '.join(('group', 'traj', 't', 'reward') + self.requires)}"]
+        for e in self.extras:
+            lines.append(f"extra {e.name} ({'required' if e.required else 'optional'}): from {SOURCES[e.source]}")
         if self.stateful is not None:
             lines.append(f"stateful: keeps {self.stateful.STATE_DOC} across batches; est = .create(**params), "
                          f"call est(steps) per batch, checkpoint est.state_dict()")

@@ -14,7 +14,7 @@ import numpy as np
 
 __all__ = ["stable_hash", "stable_hash_many", "RESERVED_KEYS"]
 
-#: Keys the StepTable uses for its absorbing boundary nodes (success z+, failure z-). User keys may not take them.
+#: Keys reserved for absorbing boundary nodes (success z+, failure z-). User keys may not take them.
 SUCCESS_KEY = np.int64(-(2**63))
 FAILURE_KEY = np.int64(-(2**63) + 1)
 RESERVED_KEYS = (int(SUCCESS_KEY), int(FAILURE_KEY))

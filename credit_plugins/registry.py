@@ -16,7 +16,10 @@ from . import hookspecs
 
 __all__ = ["plugin_manager", "register_plugin", "unregister_plugin", "collect", "get", "available", "describe"]
 
-_BUILTINS = {"builtin": "credit_plugins.estimators", "builtin_distill": "distill_plugins.builtin"}
+#: The built-ins' entry points (``[project.entry-points.agentcredit]`` in pyproject.toml; a test keeps the two equal),
+#: loaded by module name when the distribution is not installed (a source tree on ``sys.path``).
+BUILTIN_ENTRY_POINTS = {"builtin": "credit_plugins.estimators", "builtin_envs": "env_adapters.builtin",
+                        "builtin_distill": "distill_plugins.builtin"}
 
 
 @lru_cache(maxsize=1)
@@ -25,7 +28,7 @@ def plugin_manager() -> pluggy.PluginManager:
     pm.add_hookspecs(hookspecs)
     pm.load_setuptools_entrypoints(hookspecs.PROJECT)
     # running from a source tree without `pip install`: the entry points are absent, load the built-ins directly
-    for name, module in _BUILTINS.items():
+    for name, module in BUILTIN_ENTRY_POINTS.items():
         if pm.get_plugin(name) is None:
             pm.register(importlib.import_module(module), name=name)
     return pm

@@ -11,8 +11,8 @@ field          dtype    meaning
 ``state``      int64    anchor key: stable hash of the canonical observation; only compared within a group
 ``action``     int64    semantic action key (the parsed command); -1 when unknown or invalid
 ``reward``     float32  per-step environment reward r_t
-``success``    bool     terminal success of the trajectory, broadcast to its rows
-``truncated``  bool     trajectory ended by the step limit
+``success``    bool     terminal success of the trajectory (a per-trajectory flag, see below)
+``truncated``  bool     trajectory ended by the step limit (a per-trajectory flag, see below)
 =============  =======  ===========================================================================================
 
 Any column may be given as a tensor, a numpy array or a list. Integer keys are kept; strings (or other hashable
@@ -23,6 +23,12 @@ back in the caller's order.
 Defaults for optional columns: ``action`` -1 everywhere; ``success`` is ``return > 0`` of the trajectory (the
 ALFWorld/WebShop convention: 10 on success, 0 or a penalty otherwise); ``truncated`` False. ``state`` has no
 default: estimators that need it call :meth:`StepTable.require`, which names the missing field.
+
+Per-trajectory flags (``success``, ``truncated``) are accepted in two shapes: the same value on every row of the
+trajectory, or the shape a gym-style loop records, False on every row except the last (``t = max t``), which
+holds the final value. The second is broadcast from the last row to the whole trajectory, so every estimator sees
+one value per trajectory. Any other change inside a trajectory (True on a middle row, True on the first row and
+False on the last) is ambiguous and a ``ValueError`` that names the field and the trajectory.
 """
 
 from __future__ import annotations
@@ -35,12 +41,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from .hashing import FAILURE_KEY, RESERVED_KEYS, SUCCESS_KEY, stable_hash_many
+from .hashing import RESERVED_KEYS, stable_hash_many
 from .segments import dense_ids, discounted_cumsum, segment_sum
 
-__all__ = ["StepTable", "SUCCESS_KEY", "FAILURE_KEY", "list_block"]
+__all__ = ["StepTable", "list_block"]
 
 logger = logging.getLogger("agentcredit")
+
+_REQUIRED: Any = object()  # StepTable.extra without a default: the extra is required
 
 ArrayLike = torch.Tensor | np.ndarray | Sequence[Any]
 
@@ -107,11 +115,12 @@ class StepTable:
         group, traj, t: required; see the module docstring.
         state, action: anchor and action keys (ints or strings). ``state`` is required by step-level methods.
         reward: per-step reward r_t. The episode return ``R_i = sum_t r_t`` is what trajectory-level terms use.
-        success, truncated: per-row flags; each must be constant within a trajectory.
+        success, truncated: per-row flags of the trajectory: constant within it, or False everywhere except its
+            last row (gym-style, broadcast from that row); see the module docstring.
         extras: optional blocks for the methods that need them, ``{name: column}`` with first dimension S:
             string/object columns become stable int64 keys (e.g. MVPO's ``signature``), numeric ones stay tensors
             (``[S]`` or ``[S, ...]``, e.g. ``milestones`` ``[S, M]`` or token-level ``logp_old`` ``[S, L]``).
-            Read them back, sorted like every column, with :meth:`extra`.
+            Read them back, sorted like every column, with :meth:`extra` (``extra(name, None)`` for an optional one).
 
     All columns must have the same length S. Errors are ``ValueError`` messages that name the field and the fix.
     """
@@ -189,11 +198,7 @@ class StepTable:
         for name in ("success", "truncated"):
             col = getattr(self, "_" + name)
             if col is not None:
-                first = col[self.first_row]
-                if bool((first[self.row_traj] != col).any()):
-                    i = int((first[self.row_traj] != col).nonzero()[0])
-                    raise ValueError(f"StepTable.{name} changes inside trajectory {int(self._traj[i])}; it is a "
-                                     f"per-trajectory flag, broadcast the final value to every row")
+                setattr(self, "_" + name, self._trajectory_flag(name, col))
 
     # ---- validation -------------------------------------------------------------------------------------------
     def _validate_trajectories(self) -> None:
@@ -216,12 +221,27 @@ class StepTable:
                              f"expected; t must run 0, 1, 2, ... without gaps (keep every step of the rollout, or "
                              f"renumber after filtering)")
 
+    def _trajectory_flag(self, name: str, col: torch.Tensor) -> torch.Tensor:
+        """The sorted flag column ``col`` broadcast from each trajectory's last row (module docstring).
+
+        Valid iff every row before the last equals the first row and the last row is not False after True rows:
+        then the body is all False (gym-style: the last row decides) or all equal to the last row (constant).
+        """
+        first = col[self.first_row][self.row_traj]
+        bad = torch.where(self.is_last, first & ~col, col != first)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"StepTable.{name} changes inside trajectory {int(self._traj[i])} at t={int(self._t[i])}; "
+                             f"it is a per-trajectory flag: give the final value on every row, or only on the "
+                             f"last row (True at t = max t, False before)")
+        return col[self.is_last][self.row_traj]
+
     def require(self, *fields: str, by: str = "this estimator") -> None:
         """Raise ``ValueError`` naming each of ``fields`` that was not given at construction."""
         missing = [f for f in fields if f not in self._given]
         if missing:
             raise ValueError(f"{by} needs StepTable field(s) {missing}; pass them to StepTable(...) (in verl: set "
-                             f"them in each AgentLoopOutput's extra_fields, see credit_plugins.verl)")
+                             f"them in each AgentLoopOutput's extra_fields, see agentcredit.verl)")
 
     def with_extras(self, extras: dict[str, ArrayLike]) -> StepTable:
         """A new table of the same rows, in the same input order, with ``extras`` added to (or replacing) these."""
@@ -229,9 +249,15 @@ class StepTable:
         cols = {name: getattr(self, "_" + name)[inv] for name in self.FIELDS if name in self._given}
         return StepTable(**cols, extras={**{k: v[inv] for k, v in self._extras.items()}, **extras})
 
-    def extra(self, name: str) -> torch.Tensor:
-        """The optional block ``name`` given in ``extras``, sorted by ``(traj, t)`` like every column."""
+    def extra(self, name: str, default: Any = _REQUIRED) -> Any:
+        """The block ``name`` given in ``extras``, sorted by ``(traj, t)`` like every column.
+
+        Without ``default`` the extra is required: a missing one is a ``ValueError`` naming it and the extras given.
+        With a ``default`` (typically ``None``) the extra is optional and ``default`` is returned when it is absent.
+        """
         if name not in self._extras:
+            if default is not _REQUIRED:
+                return default
             raise ValueError(f"StepTable has no extras[{name!r}]; pass extras={{{name!r}: ...}} to StepTable(...) "
                              f"(given: {sorted(self._extras)})")
         return self._extras[name]
@@ -305,16 +331,6 @@ class StepTable:
     def reward_to_go(self, gamma: float) -> torch.Tensor:
         """[S] float64 discounted return ``R_t = sum_{k>=t} gamma^(k-t) r_k`` within each trajectory."""
         return discounted_cumsum(self._reward, self.is_last, gamma)
-
-    @cached_property
-    def next_state(self) -> torch.Tensor:
-        """[S] anchor key of the next row of the same trajectory; at the last row the absorbing boundary:
-        ``SUCCESS_KEY`` (z+) if the trajectory succeeded, ``FAILURE_KEY`` (z-) if it failed or was truncated."""
-        state = self.state
-        nxt = torch.empty_like(state)
-        nxt[:-1] = state[1:]
-        terminal = torch.where(self.success & ~self.truncated, SUCCESS_KEY.item(), FAILURE_KEY.item())
-        return torch.where(self.is_last, terminal, nxt)
 
     @cached_property
     def anchor(self) -> tuple[torch.Tensor, int]:

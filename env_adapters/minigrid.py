@@ -167,9 +167,7 @@ class MiniGridAdapter(DrawnState):
         self.absolute = moves == "absolute"
         self.legal = ABSOLUTE if self.absolute else TASKS[task]
         self.view = view
-        if view == "coords":
-            self.task = "Reach the goal. up: row-1, down: row+1, left: column-1, right: column+1."
-        elif view == "offset":
+        if view != "grid":  # "coords" and "offset": a few numbers, one short instruction for both
             self.task = "Reach the goal. up: row-1, down: row+1, left: column-1, right: column+1."
         elif self.absolute:
             self.task = ("You are an expert agent in a grid world. Your task is to get to the goal G.\n"

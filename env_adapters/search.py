@@ -1,4 +1,4 @@
-"""Framework-free pieces of the search rollouts (``env_adapters.trl_search``, ``env_adapters.verl_search``).
+"""Framework-free pieces of the search rollouts (``agentcredit.trl.search_rollouts``, ``agentcredit.verl.search_loops``).
 
 * :func:`require_search_env`: refuse an env that cannot be branched (no ``snapshot``/``restore``/``legal_actions``).
 * :class:`Node`: one turn of a search tree (its row, its parent, the env state before its action).
@@ -70,7 +70,7 @@ def fork_starts(tree: list[Node], beam: int, branches: int, criterion: str, alph
                 root: dict[str, Any] | None = None) -> list[tuple[int, Any, int, float, bool]]:
     """Rank the candidates of ``tree``, mark the ranking on them (the root's in ``root``), and return the forks'
     starts ``(parent, snapshot, depth, path_return, fresh=True)`` (``snapshot`` None: from the reset state)."""
-    from credit_plugins.estimators._tree import host_scores, select_top_k, sfc_scores
+    from credit_plugins.trees import host_scores, select_top_k, sfc_scores
 
     cands = [-1] + [n.id for n in tree if not n.leaf]
     roots = [n for n in tree if n.parent == -1]

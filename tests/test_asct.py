@@ -239,7 +239,7 @@ def test_empty_batch():
 def test_estimator_record():
     est = mod.ESTIMATOR
     assert est.name == "asct" and est.output == "step" and est.stateful is None
-    assert est.requires == ("legal_p", "legal_mask", "q", "chosen")
+    assert est.required_fields == ("legal_p", "legal_mask", "q", "chosen") and est.extra_names(False) == ("visits",)
     assert "V^(s)      = sum_{a in A(s)} p_a Q^(s,a)" in est.formula and "arXiv:2609.35215" in est.paper
     assert "standardise" in est.describe()
     assert est.create(standardise=False)(table(**HAND)).tolist() == pytest.approx([0.4, -0.75, 0.0])

@@ -1,4 +1,4 @@
-"""The TRL distillation mixin (distill_plugins.trl) inside TRL 1.16's real GRPOTrainer on tiny models built in code."""
+"""The TRL distillation mixin (agentcredit.trl.distill) inside TRL 1.16's real GRPOTrainer on tiny models built in code."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 
 trl = pytest.importorskip("trl")
 
-from credit_plugins.trl import make_trainer  # noqa: E402
-from distill_plugins.trl import DistillMixin, check_same_vocabulary  # noqa: E402
+from agentcredit.trl import make_trainer  # noqa: E402
+from agentcredit.trl.distill import DistillMixin, check_same_vocabulary  # noqa: E402
 from tests.trl_runs import losses, train_plain  # noqa: E402
 
 
@@ -23,7 +23,7 @@ def teacher_dir(tmp_path_factory):
     """The tiny Qwen2 with perturbed weights: same tokenizer, a different distribution (δ ≠ 0)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from credit_plugins.models import resolve_model
+    from agentcredit.models import resolve_model
 
     path = resolve_model("tiny-qwen2")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -131,7 +131,7 @@ def test_opw_warms_up_on_top1_ce_then_hands_off_to_rl_once(tmp_path, teacher_dir
 
 
 def test_lsd_routes_solved_groups_to_the_ema_teacher(tmp_path):
-    from credit_plugins.models import resolve_model
+    from agentcredit.models import resolve_model
     from transformers import AutoModelForCausalLM
 
     start = AutoModelForCausalLM.from_pretrained(resolve_model("tiny-qwen2"), dtype=torch.float32).state_dict()
@@ -150,7 +150,7 @@ def test_lsd_routes_solved_groups_to_the_ema_teacher(tmp_path):
 
 
 def test_lsd_without_ema_updates_keeps_the_initial_weights(tmp_path):
-    from credit_plugins.models import resolve_model
+    from agentcredit.models import resolve_model
     from transformers import AutoModelForCausalLM
 
     start = AutoModelForCausalLM.from_pretrained(resolve_model("tiny-qwen2"), dtype=torch.float32).state_dict()
@@ -187,7 +187,7 @@ def test_resume_refuses_a_checkpoint_without_scheduler_state(tmp_path, teacher_d
 
 # ---- bad input: clear errors at start-up, named NaN --------------------------------------------------------------
 def test_teacher_with_another_vocabulary_fails_at_start_up(tmp_path):
-    from credit_plugins.models import build_tiny_qwen2
+    from agentcredit.models import build_tiny_qwen2
 
     other = tmp_path / "other-vocab"
     build_tiny_qwen2(other, vocab_size=600, seed=3)
@@ -241,10 +241,10 @@ def test_tide_local_turn_weights_with_gigpo_on_turn_rows(tmp_path, teacher_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
 
-    from env_adapters.trl import TurnRollout
+    from agentcredit.trl.rollouts import TurnRollout
 
     tok = AutoTokenizer.from_pretrained(teacher_dir)
-    from credit_plugins.models import resolve_model
+    from agentcredit.models import resolve_model
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model("tiny-qwen2"), dtype=torch.float32)
     env_options = {"size": 5, "moves": "absolute", "view": "coords"}

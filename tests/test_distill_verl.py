@@ -1,4 +1,4 @@
-"""The verl distillation bridge (distill_plugins.verl) against the real verl 0.9.1 on CPU: the entry point fills
+"""The verl distillation bridge (agentcredit.verl.distill) against the real verl 0.9.1 on CPU: the entry point fills
 verl's distillation-loss registry; verl's own ``distillation_loss()`` / ``distillation_ppo_loss()`` (registry
 lookup, logits-processor stage, aggregation) give agentcredit's losses; the scheduler's weights reach the loss
 through the micro-batch's non-tensor data, also after verl's own micro-batch split; bad teacher input names the
@@ -25,7 +25,8 @@ from verl.workers.engine.utils import prepare_micro_batches  # noqa: E402
 
 import distill_plugins  # noqa: E402
 from distill_plugins import losses as L  # noqa: E402
-from distill_plugins import verl as bridge  # noqa: E402
+from agentcredit.verl import _compat  # noqa: E402
+from agentcredit.verl import distill as bridge  # noqa: E402
 
 pytestmark = pytest.mark.verl
 
@@ -166,7 +167,7 @@ def test_verls_config_finds_our_loss_modes_and_keeps_its_own():
     for mode in bridge.LOSSES:
         settings = DistillationLossConfig(loss_mode=mode, use_policy_gradient=True).loss_settings
         assert settings.use_topk == (mode in bridge.TOPK_LOSSES)
-        assert VL.get_distillation_loss_fn(mode).__module__ == "distill_plugins.verl"
+        assert VL.get_distillation_loss_fn(mode).__module__ == "agentcredit.verl.distill"
     assert VL.get_distillation_loss_fn("k3") is VL.compute_distillation_loss_reverse_kl_estimator
     assert bridge.register_losses(VL) == []  # idempotent: a second load registers nothing twice
 
@@ -350,7 +351,7 @@ def test_real_update_actor_writes_the_opw_schedule_into_extra_info():
     from transfer_queue import KVBatchMeta
     from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 
-    assert PPOTrainer._update_actor._agentcredit_distill
+    assert _compat.is_wrapped(PPOTrainer._update_actor, "distill")
     bridge.SCHEDULER.clear()
     trainer, wg = fake_trainer(trainer_config(params={"warmup_steps": 2}), "agentcredit_top1_ce")
     got = []
@@ -436,3 +437,31 @@ def test_scheduler_state_is_saved_with_the_checkpoint_and_restored(tmp_path):
     assert restored.on_batch(3).params["reset_optimizer"] is False
     bridge.SCHEDULER.clear()
     bridge.PENDING.clear()
+
+
+def test_scheduler_state_after_resume_path_goes_to_the_new_step_folder(tmp_path):
+    cfg = trainer_config(params={"warmup_steps": 1})
+    old = tmp_path / "old_run" / "global_step_3"
+    old.mkdir(parents=True)
+    cfg.trainer.default_local_dir = str(tmp_path / "new_run")
+    cfg.trainer.resume_mode = "resume_path"
+    cfg.trainer.resume_from_path = str(old)
+    trainer = types.SimpleNamespace(config=cfg, global_steps=3)
+    bridge.SCHEDULER.clear()
+    bridge.PENDING.clear()
+    try:
+        sched = bridge.scheduler_for(bridge._block(cfg))
+        sched.on_batch(0)
+        torch.save(sched.state_dict(), old / bridge.STATE_FILE)
+        bridge.SCHEDULER.clear()
+        bridge.wrap_load_checkpoint(lambda self: None)(trainer)  # reads the folder it resumed from
+        restored = bridge.scheduler_for(bridge._block(cfg))
+        assert restored.state_dict() == sched.state_dict()
+        restored.on_batch(3)
+        trainer.global_steps = 5
+        bridge.wrap_save_checkpoint(lambda self: (tmp_path / "new_run" / "global_step_5").mkdir(parents=True))(trainer)
+        assert (tmp_path / "new_run" / "global_step_5" / bridge.STATE_FILE).exists()
+        assert torch.load(old / bridge.STATE_FILE, weights_only=False) == sched.state_dict()  # untouched
+    finally:
+        bridge.SCHEDULER.clear()
+        bridge.PENDING.clear()

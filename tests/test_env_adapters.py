@@ -110,7 +110,7 @@ def test_build_prompt_shows_only_the_last_history_length_steps():
 # ---- the AgentEnv contract ---------------------------------------------------------------------------------------
 def test_registry_lists_both_builtins_and_the_cli_shows_their_provider():
     assert {"minigrid", "sokoban"} <= set(env_adapters.available())
-    out = subprocess.run([sys.executable, "-m", "credit_plugins.cli", "list", "envs"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "agentcredit.cli", "list", "envs"], capture_output=True,
                          text=True, check=True).stdout
     for name in ("minigrid", "sokoban"):
         line = next(line for line in out.splitlines() if line.strip().startswith(name))
@@ -143,6 +143,14 @@ def test_make_seed_option_is_the_default_reset_seed():
     env = env_adapters.make("minigrid", size=5, seed=0)
     assert env.reset() == env.reset(0)
     assert env_adapters.make("minigrid", size=7).reset(0).count("\n") == 7  # 7 grid rows + the status line
+
+
+def test_minigrid_coords_and_offset_views_share_the_short_instruction():
+    grid, coords, offset = (env_adapters.make("minigrid", size=5, moves="absolute", view=view)
+                            for view in ("grid", "coords", "offset"))
+    assert coords.task == offset.task != grid.task
+    assert coords.task.startswith("Reach the goal.") and "#" not in coords.task  # no map legend without a map
+    assert coords.reset(0).startswith("You are at row") and offset.reset(0).startswith("Goal offset: row")
 
 
 def test_sokoban_reset_leaves_the_global_random_state_alone():

@@ -1,4 +1,4 @@
-"""env_adapters.verl's agent loop against the real verl 0.9.1 on CPU.
+"""agentcredit.verl.agent_loop's agent loop against the real verl 0.9.1 on CPU.
 
 Real: verl's agent-loop registry and hydra instantiation (``AgentLoopWorker._run_agent_loop``), the Continuous
 Token builder (chat template), ``AgentLoopWorkerTQ._agent_loop_postprocess`` and its scoring / position-id helpers
@@ -153,7 +153,7 @@ def _rollout_group(config, servers, tokenizer, uid, max_steps=None, agent_name="
     real ``AgentLoopWorker._run_agent_loop``: registry lookup, hydra instantiation, run, post-processing)."""
     from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
 
-    import env_adapters.verl  # noqa: F401  (registers agentcredit_env)
+    import agentcredit.verl.agent_loop  # noqa: F401  (registers agentcredit_env)
 
     assert agent_name in _agent_loop_registry
     prompt = dict(uid=uid, global_steps=1, index=0, data_source="minigrid", agent_name=agent_name,
@@ -231,7 +231,7 @@ def test_import_env_adapters_does_not_need_the_verl_loop_and_verl_can_load_it():
     import subprocess
     import sys
 
-    code = "import sys, env_adapters; print('env_adapters.verl' in sys.modules, 'verl' in sys.modules)"
+    code = "import sys, env_adapters; print('agentcredit.verl.agent_loop' in sys.modules, 'verl' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.stdout.strip().splitlines()[-1] == "False False"
@@ -239,9 +239,9 @@ def test_import_env_adapters_does_not_need_the_verl_loop_and_verl_can_load_it():
     code = ("import verl\nfrom verl.experimental.agent_loop.agent_loop import _agent_loop_registry as r\n"
             "print(r['agentcredit_env'])")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                          env=dict(os.environ, VERL_USE_EXTERNAL_MODULES="env_adapters.verl",
+                          env=dict(os.environ, VERL_USE_EXTERNAL_MODULES="agentcredit.verl.agent_loop",
                                    PYTHONWARNINGS="ignore"))
-    assert proc.stdout.strip().splitlines()[-1] == "{'_target_': 'env_adapters.verl.EnvAgentLoop'}"
+    assert proc.stdout.strip().splitlines()[-1] == "{'_target_': 'agentcredit.verl.agent_loop.EnvAgentLoop'}"
 
 
 def _check_contract(rows, max_steps):
@@ -365,7 +365,7 @@ def test_agent_loop_config_file_options_and_an_empty_generation(transfer_queue, 
 
     model, tok = model_and_tokenizer
     path = tmp_path / "agent_loops.yaml"
-    path.write_text("- name: minigrid_h0\n  _target_: env_adapters.verl.EnvAgentLoop\n  env_name: minigrid\n"
+    path.write_text("- name: minigrid_h0\n  _target_: agentcredit.verl.agent_loop.EnvAgentLoop\n  env_name: minigrid\n"
                     "  env_options: {size: 5}\n  max_steps: 2\n  history_length: 0\n")
     for cfg in OmegaConf.load(path):  # what AgentLoopWorker.__init__ does with agent_loop_config_path
         _agent_loop_registry[cfg.name] = cfg
@@ -387,15 +387,15 @@ def test_agent_loop_config_file_options_and_an_empty_generation(transfer_queue, 
 
 
 def test_verl_knows_the_agent_loop_by_name_through_the_entry_point():
-    code = ("import sys, verl\nassert 'env_adapters.verl' not in sys.modules\n"
+    code = ("import sys, verl\nassert 'agentcredit.verl.agent_loop' not in sys.modules\n"
             "from verl.experimental.agent_loop import agent_loop as al\n"
             "print(al._agent_loop_registry['agentcredit_env'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=dict(os.environ, PYTHONWARNINGS="ignore")).stdout
-    assert "env_adapters.verl" in out
+    assert "agentcredit.verl.agent_loop" in out
 
 
-# ---- the search loops (env_adapters.verl_search) ------------------------------------------------------------
+# ---- the search loops (agentcredit.verl.search_loops) ------------------------------------------------------------
 def _search_config(estimator, n=2, **params):
     config = _config(logprobs=True)
     config.actor_rollout_ref.rollout.n = n
@@ -405,7 +405,7 @@ def _search_config(estimator, n=2, **params):
 
 
 def test_counterfactual_loop_rows_carry_asct_tables_and_verl_computes_asct(transfer_queue, model_and_tokenizer):
-    import env_adapters.verl_search  # noqa: F401  (registers agentcredit_counterfactual)
+    import agentcredit.verl.search_loops  # noqa: F401  (registers agentcredit_counterfactual)
 
     model, tok = model_and_tokenizer
     env = env_adapters.make("minigrid", **ENV_OPTIONS)
@@ -460,7 +460,7 @@ def test_tree_loop_grows_one_tree_per_sample_and_verl_computes_tree_credit(trans
 
     model, tok = model_and_tokenizer
     path = tmp_path / "tree.yaml"
-    path.write_text("- name: tree_small\n  _target_: env_adapters.verl_search.TreeAgentLoop\n  env_name: minigrid\n"
+    path.write_text("- name: tree_small\n  _target_: agentcredit.verl.search_loops.TreeAgentLoop\n  env_name: minigrid\n"
                     "  env_options: {size: 5}\n  max_steps: 3\n  initial: 2\n  iterations: 1\n  beam: 2\n"
                     "  branches: 1\n  criterion: host\n")
     for cfg in OmegaConf.load(path):

@@ -1,4 +1,4 @@
-"""Privileged-context scoring (credit_plugins.privileged) and the hindsight estimators (UniOPSD, AlignOPSD) in real
+"""Privileged-context scoring (agentcredit.trl.privileged) and the hindsight estimators (UniOPSD, AlignOPSD) in real
 GRPOTrainer runs: the tiny Qwen2 (SFT'd to answer moves), MiniGrid, TurnRollout."""
 
 import math
@@ -12,9 +12,9 @@ pytest.importorskip("trl")
 torch = pytest.importorskip("torch")
 
 import credit_plugins as cp  # noqa: E402
-from credit_plugins.hindsight import last_action, peer_prefix  # noqa: E402
-from credit_plugins.privileged import hindsight_extras, insert_prefix, score_tokens  # noqa: E402
-from env_adapters.trl import TurnRollout  # noqa: E402
+from agentcredit.trl.hindsight import last_action, peer_prefix  # noqa: E402
+from agentcredit.trl.privileged import hindsight_extras, insert_prefix, score_tokens  # noqa: E402
+from agentcredit.trl.rollouts import TurnRollout  # noqa: E402
 
 from .test_trl_env_bridges import ABS, _trainer, tiny  # noqa: E402,F401  (the module-scoped fixture)
 
@@ -140,7 +140,7 @@ def test_alignopsd_cross_passes_follow_its_source_selection(tiny):  # noqa: F811
 def _train_turns(model, tok, credit, tmp_path, steps=2, **params):
     from trl import GRPOConfig, GRPOTrainer
 
-    from credit_plugins.trl import make_trainer
+    from agentcredit.trl import make_trainer
 
     rollout = TurnRollout("minigrid", ABS, max_turns=3, max_new_tokens=6)
     args = GRPOConfig(output_dir=str(tmp_path), max_steps=steps, num_generations=6, per_device_train_batch_size=6,
@@ -169,7 +169,7 @@ def test_hindsight_estimators_train_in_a_real_grpo_trainer(tiny, tmp_path, credi
 def test_hindsight_estimator_outside_the_turn_layout_is_refused(tmp_path):
     from trl import GRPOTrainer
 
-    from credit_plugins.trl import make_trainer
+    from agentcredit.trl import make_trainer
 
     from .trl_runs import train_plain
 
@@ -178,7 +178,7 @@ def test_hindsight_estimator_outside_the_turn_layout_is_refused(tmp_path):
 
 
 def test_peers_come_from_the_success_flag_so_shaped_returns_cannot_fake_one():
-    from credit_plugins.hindsight import choose_peers
+    from agentcredit.trl.hindsight import choose_peers
 
     # traj 0 failed with return 3 (progress shaping), traj 1 succeeded (12), traj 2 failed (-1)
     steps = cp.StepTable(group=[0, 0, 0], traj=[0, 1, 2], t=[0, 0, 0], reward=[3.0, 12.0, -1.0],

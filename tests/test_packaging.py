@@ -27,13 +27,13 @@ def test_ci_pins_cpu_torch_before_installing_the_package():
 
 def test_entry_points_are_installed():
     verl_eps = {ep.name: ep.value for ep in entry_points(group="verl.plugins")}
-    assert verl_eps.get("agentcredit") == "credit_plugins.verl"
+    assert verl_eps.get("agentcredit") == "agentcredit.verl"
     ours = {ep.name: ep.value for ep in entry_points(group="agentcredit")}
     assert ours.get("builtin") == "credit_plugins.estimators"
     assert ours.get("builtin_envs") == "env_adapters.builtin"
     assert ours.get("builtin_distill") == "distill_plugins.builtin"
     scripts = {ep.name: ep.value for ep in entry_points(group="console_scripts")}
-    assert scripts.get("agentcredit") == "credit_plugins.cli:main"
+    assert scripts.get("agentcredit") == "agentcredit.cli:main"
 
 
 def test_readme_lists_every_registered_estimator():

@@ -9,7 +9,7 @@ import torch
 
 import credit_plugins as cp
 from credit_plugins import registry
-from credit_plugins.cli import main
+from agentcredit.cli import main
 
 
 def test_builtins_are_found_through_the_agentcredit_hook():
@@ -93,10 +93,10 @@ def test_third_party_entry_point_is_discovered_in_a_fresh_interpreter(tmp_path):
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: my-credit\nVersion: 0.1\n")
     (dist / "entry_points.txt").write_text("[agentcredit]\nmy_credit = my_credit\n")
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
-    out = subprocess.run([sys.executable, "-m", "credit_plugins.cli", "list", "estimators"], env=env,
+    out = subprocess.run([sys.executable, "-m", "agentcredit.cli", "list", "estimators"], env=env,
                          capture_output=True, text=True, check=True).stdout
     assert "scaled_return" in out and "my-credit (entry point 'my_credit')" in out
-    out = subprocess.run([sys.executable, "-m", "credit_plugins.cli", "describe", "scaled_return"], env=env,
+    out = subprocess.run([sys.executable, "-m", "agentcredit.cli", "describe", "scaled_return"], env=env,
                          capture_output=True, text=True, check=True).stdout
     assert "scale = 1.0" in out and "multiplies the return" in out
 

@@ -1,4 +1,4 @@
-"""The search rollouts of ``env_adapters.trl_search`` on real parts: MiniGrid, the tiny Qwen2 (SFT'd to answer
+"""The search rollouts of ``agentcredit.trl.search_rollouts`` on real parts: MiniGrid, the tiny Qwen2 (SFT'd to answer
 moves, from tests/test_trl_env_bridges.py) and real ``trl.GRPOTrainer`` runs with ASCT and the tree estimators."""
 
 import math
@@ -13,8 +13,8 @@ torch = pytest.importorskip("torch")
 import env_adapters  # noqa: E402
 from credit_plugins.hashing import stable_hash  # noqa: E402
 from env_adapters.search import require_search_env  # noqa: E402
-from env_adapters.trl import ACTION_PREFIX, TurnRollout  # noqa: E402
-from env_adapters.trl_search import CounterfactualRollout, TreeRollout  # noqa: E402
+from agentcredit.trl.rollouts import ACTION_PREFIX, TurnRollout  # noqa: E402
+from agentcredit.trl.search_rollouts import CounterfactualRollout, TreeRollout  # noqa: E402
 
 from .test_trl_env_bridges import ABS, _trainer, tiny  # noqa: E402,F401  (the module-scoped fixture)
 
@@ -29,7 +29,7 @@ def _prompts(seeds, G):
 def _train(rollout, credit, tmp_path, G, model, tok, steps=2, **credit_params):
     from trl import GRPOConfig, GRPOTrainer
 
-    from credit_plugins.trl import make_trainer
+    from agentcredit.trl import make_trainer
 
     args = GRPOConfig(output_dir=str(tmp_path), max_steps=steps, num_generations=G, per_device_train_batch_size=G,
                       max_completion_length=6, report_to="none", logging_steps=1, use_cpu=True, bf16=False,
@@ -99,7 +99,7 @@ def test_counterfactual_rollout_rows_carry_the_decision_table(tiny):  # noqa: F8
 
 def test_counterfactual_probabilities_are_the_actors_label_scores(tiny):  # noqa: F811
     """legal_p = softmax over the legal moves of their answers' mean token log-prob, scored independently here."""
-    from credit_plugins.privileged import score_tokens
+    from agentcredit.trl.privileged import score_tokens
 
     model, tok, _ = tiny
     rollout = CounterfactualRollout("minigrid", ABS, max_turns=1, max_new_tokens=6, budget=4)

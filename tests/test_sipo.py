@@ -1,4 +1,4 @@
-"""SIPO and AT²PO tree credit (CREDIT.md §8.1-8.5: T8.1-T8.8, §8.4 edge cases) and the tree primitives in _tree."""
+"""SIPO and AT²PO tree credit (CREDIT.md §8.1-8.5: T8.1-T8.8, §8.4 edge cases) and the tree primitives in credit_plugins.trees."""
 
 import math
 import random
@@ -12,9 +12,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import credit_plugins as cp
-from credit_plugins.estimators import _tree
+from credit_plugins import trees as _tree
 from credit_plugins.estimators import sipo as mod
-from credit_plugins.estimators._tree import blom, build_forest, host_scores, select_top_k, sfc_scores
+from credit_plugins.trees import blom, build_forest, host_scores, select_top_k, sfc_scores
 
 SETTINGS = settings(max_examples=40, deadline=None)
 EPS = 1e-6
@@ -629,7 +629,7 @@ def test_stateful_estimator_api():
     with pytest.raises(ValueError, match="not both"):
         mod.SIPO(mod.SIPOParams(), postsel_correction_weight=0.5)
     assert sipo_est.defaults()["postsel_correction_weight"] == 1.0
-    assert set(mod.SIPOParams.VERL_EXTRAS) == set(sipo_est.requires)
+    assert sipo_est.extra_names(required=True) == mod.SIPO_EXTRAS and sipo_est.sources() == {"tree"}
 
 
 @SETTINGS
@@ -772,5 +772,5 @@ def test_unknown_parameter_lists_the_valid_ones():
 
 def test_module_exports():
     assert mod.ESTIMATORS == (mod.AT2PO_ESTIMATOR, mod.ESTIMATOR)
-    assert at2po_est.requires == ("parent", "surprisal") and at2po_est.stateful is None
+    assert at2po_est.required_fields == ("parent", "surprisal") and at2po_est.stateful is None
     assert _tree.ROOT == -1

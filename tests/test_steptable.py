@@ -2,11 +2,12 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from credit_plugins import StepTable, stable_hash
-from credit_plugins.hashing import RESERVED_KEYS, stable_hash_many
+from credit_plugins.estimators._graph import transition_graph
+from credit_plugins.hashing import RESERVED_KEYS, SUCCESS_KEY, stable_hash_many
 from credit_plugins.segments import discounted_cumsum
-from credit_plugins.steptable import FAILURE_KEY, SUCCESS_KEY
 
 from .strategies import columns, step_batches
 
@@ -54,16 +55,20 @@ def test_sorts_by_traj_then_t_and_restores_input_order():
     assert torch.equal(steps.order[steps.inverse], torch.arange(5))
 
 
-def test_successor_keys_end_in_absorbing_boundaries():
+def test_successors_end_in_absorbing_boundaries():
+    # the successor of each row as the graph estimators read it
     steps = small(truncated=[False, False, True, True, True])
-    x, s, y, z = (stable_hash(k) for k in "xsyz")
+    g = transition_graph(steps)
+    node = dict(zip(steps.state.tolist(), g.node.tolist()))
+    x, s, y, z = (node[stable_hash(k)] for k in "xsyz")
     # a: s -> x -> z+ (return 10 > 0: success); b: s -> y -> z -> z- (truncated)
-    assert steps.next_state.tolist() == [x, int(SUCCESS_KEY), y, z, int(FAILURE_KEY)]
+    assert g.next.tolist() == [x, g.z_plus, y, z, g.z_minus]
 
 
 def test_truncated_success_goes_to_failure_boundary():
     steps = small(success=[True] * 5, truncated=[True] * 5)
-    assert steps.next_state[steps.is_last].tolist() == [int(FAILURE_KEY)] * 2
+    g = transition_graph(steps)
+    assert g.next[steps.is_last].tolist() == [g.z_minus] * 2
 
 
 def test_returns_lengths_groups_and_success_default():
@@ -102,6 +107,16 @@ def test_extras_are_sorted_with_the_rows():
         steps.extra("loop_flag")
 
 
+def test_extra_with_a_default_is_optional():
+    steps = small(extras={"loop_flag": [1, 0, 0, 0, 0]})
+    assert steps.extra("loop_flag", None).tolist() == [0, 1, 0, 0, 0]  # present: the sorted column, default unused
+    assert steps.extra("milestones", None) is None
+    fallback = torch.zeros(5)
+    assert steps.extra("milestones", fallback) is fallback
+    with pytest.raises(ValueError, match=r"no extras\['milestones'\].*given: \['loop_flag'\]"):
+        steps.extra("milestones")  # no default: required
+
+
 @pytest.mark.parametrize("over, match", [
     (dict(t=[1, 0, 0, 1]), r"StepTable\.t has 4 rows but traj has 5"),
     (dict(reward=[10.0, float("nan"), 0, 0, 0]), r"StepTable\.reward has 1 non-finite.*input row 1"),
@@ -111,8 +126,12 @@ def test_extras_are_sorted_with_the_rows():
     (dict(t=[2, 1, 0, 1, 2]), r"StepTable\.t of trajectory .* jumps to 1 where 0"),
     (dict(t=[1, 0, -1, 0, 1]), r"negative step indices"),
     (dict(group=["g", "h", "g", "g", "g"]), r"StepTable\.group: trajectory .* spans two groups"),
-    (dict(success=[True, False, False, False, False]), r"StepTable\.success changes inside trajectory"),
-    (dict(truncated=[False, False, True, False, False]), r"StepTable\.truncated changes inside trajectory"),
+    # rows are (a, t=1), (a, t=0), (b, t=0), (b, t=1), (b, t=2): True first and False last, True in the middle
+    (dict(success=[False, True, False, False, False]), r"StepTable\.success changes inside trajectory .* at t=1.*"
+                                                         r"only on the last row"),
+    (dict(truncated=[False, False, True, False, False]), r"StepTable\.truncated changes inside trajectory .* at t=1"),
+    (dict(truncated=[False, False, False, True, False]), r"StepTable\.truncated changes inside trajectory .* at t=1"),
+    (dict(truncated=[False, False, True, True, False]), r"StepTable\.truncated changes inside trajectory .* at t=2"),
     (dict(state=np.array([1.5, 2, 3, 4, 5])), r"StepTable\.state must hold integer or string keys"),
     (dict(state=[int(SUCCESS_KEY), 1, 2, 3, 4]), r"reserved boundary key"),
     (dict(extras={"signature": ["a"]}), r"extras\['signature'\] has first dimension"),
@@ -120,6 +139,51 @@ def test_extras_are_sorted_with_the_rows():
 def test_bad_input_names_the_field_and_the_fix(over, match):
     with pytest.raises(ValueError, match=match):
         small(**over)
+
+
+def test_flags_set_only_on_the_last_row_are_broadcast_to_the_trajectory():
+    # gym-style: success / truncated recorded on the final step only; rows (a, 1), (a, 0), (b, 0), (b, 1), (b, 2)
+    steps = small(success=[True, False, False, False, False], truncated=[False, False, False, False, True])
+    assert steps.success.tolist() == [True, True, False, False, False]
+    assert steps.truncated.tolist() == [False, False, True, True, True]
+    assert steps.traj_success.tolist() == [True, False]
+    # a one-step trajectory's only row is its last
+    one = StepTable(group=[0, 0], traj=[0, 1], t=[0, 0], reward=[0.0, 0.0], success=[True, False])
+    assert one.success.tolist() == [True, False]
+
+
+def _gym_style(rows, field):
+    """``rows`` with ``field`` True only on the last row of the trajectories where it is True."""
+    last = {}
+    for r in rows:
+        last[r["traj"]] = max(last.get(r["traj"], -1), r["t"])
+    return [dict(r, **{field: r[field] and r["t"] == last[r["traj"]]}) for r in rows]
+
+
+@settings(max_examples=80, deadline=None)
+@given(step_batches(max_len=8), st.randoms(use_true_random=False))
+def test_last_row_flags_broadcast_like_constant_flags_in_any_row_order(rows, rnd):
+    gym = _gym_style(_gym_style(rows, "success"), "truncated")
+    rnd.shuffle(gym)
+    want, got = StepTable(**columns(rows)), StepTable(**columns(gym))
+    assert torch.equal(got.success, want.success) and torch.equal(got.truncated, want.truncated)
+    assert torch.equal(transition_graph(got).next, transition_graph(want).next)
+
+
+@settings(max_examples=80, deadline=None)
+@given(step_batches(max_len=8), st.randoms(use_true_random=False), st.sampled_from(["success", "truncated"]))
+def test_flags_that_flip_before_the_last_row_raise(rows, rnd, field):
+    length = {}
+    for r in rows:
+        length[r["traj"]] = length.get(r["traj"], 0) + 1
+    long = sorted(k for k, n in length.items() if n >= 2)
+    if not long:
+        return
+    traj = rnd.choice(long)
+    flip = rnd.randrange(length[traj] - 1)  # a row before the last one; the last row stays False
+    bad = [dict(r, **{field: r["traj"] == traj and r["t"] == flip}) for r in rows]
+    with pytest.raises(ValueError, match=rf"StepTable\.{field} changes inside trajectory"):
+        StepTable(**columns(bad))
 
 
 def test_missing_state_is_reported_by_name_when_needed():

@@ -203,7 +203,7 @@ def test_tree_grpo_params_name_the_parameter(name, value):
 
 def test_module_exports_and_describe():
     assert mod.ESTIMATORS == (treerl_est, grpo_est)
-    assert treerl_est.requires == ("parent",) and grpo_est.requires == ("parent",)
+    assert treerl_est.required_fields == ("parent",) and grpo_est.required_fields == ("parent",)
     assert "sqrt(|L(s)|)" in treerl_est.describe() and "leave_one_out" in treerl_est.describe()
     assert "[reconstructed]" in grpo_est.paper
     with pytest.raises(ValueError, match="valid parameters"):

@@ -1,4 +1,4 @@
-"""The TRL bridge (credit_plugins.trl) against TRL 1.16's real GRPOTrainer on a tiny model built in code."""
+"""The TRL bridge (agentcredit.trl) against TRL 1.16's real GRPOTrainer on a tiny model built in code."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ trl = pytest.importorskip("trl")
 
 import credit_plugins  # noqa: E402
 from credit_plugins.hashing import stable_hash  # noqa: E402
-from credit_plugins.trl import (CreditMixin, TRLInternalsChanged, _step_rows_from_envs, check_trl,  # noqa: E402
+from agentcredit.trl.credit import (CreditMixin, TRLInternalsChanged, _step_rows_from_envs, check_trl,  # noqa: E402
                                 make_trainer, turn_ids_from_mask)
 from tests.trl_runs import losses, train_plain  # noqa: E402
 
@@ -131,7 +131,7 @@ def test_turn_rows_get_the_estimators_step_advantage_on_their_tokens(tmp_path):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from credit_plugins.models import resolve_model
+    from agentcredit.models import resolve_model
 
     path = resolve_model("tiny-qwen2")
     args = trl.GRPOConfig(output_dir=str(tmp_path), max_steps=1, num_generations=4, per_device_train_batch_size=8,
@@ -176,11 +176,13 @@ def test_env_records_align_with_token_turns_and_extra_reward_lands_last():
     rows = _step_rows_from_envs(envs, torch.tensor([10.4, float("nan")]), [3, 1])
     # row 0: three token turns, two tool calls, then the final answer in state 13; TRL's reward 10.4 minus the
     # records' 0.4 goes to the last step. Row 1 is unscorable (NaN): left out.
-    assert [r[:8] for r in rows] == [(0, 0, 0, 0, 11, 5, 0.5, True), (0, 1, 0, 1, 12, 6, -0.1, True),
-                                     (0, 2, 0, 2, 13, -1, pytest.approx(10.0), True)]
-    assert [r[8] for r in rows] == [False] * 3  # done: not truncated
+    assert [(r.row, r.turn, r.traj, r.t, r.state, r.action, r.reward, r.success) for r in rows] == [
+        (0, 0, 0, 0, 11, 5, 0.5, True), (0, 1, 0, 1, 12, 6, -0.1, True),
+        (0, 2, 0, 2, 13, -1, pytest.approx(10.0), True)]
+    assert [r.valid for r in rows] == [True, False, False]  # the final answer (no record) is not a valid action
+    assert [r.truncated for r in rows] == [False] * 3  # done: not truncated
     rows = _step_rows_from_envs(envs[1:], torch.tensor([0.5]), [3])
-    assert [r[4] for r in rows] == [11, 12, 12] and [r[8] for r in rows] == [True] * 3
+    assert [r.state for r in rows] == [11, 12, 12] and [r.truncated for r in rows] == [True] * 3
 
 
 # ---- a stateful estimator's state survives a TRL checkpoint and resume ----------------------------------------------

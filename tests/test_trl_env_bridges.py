@@ -1,5 +1,5 @@
-"""The TRL bridges of ``env_adapters.trl`` on real parts: the real minigrid game, the real tiny Qwen2 of
-``credit_plugins.models`` and real ``trl.GRPOTrainer`` runs (rollout_func and environment_factory)."""
+"""The TRL bridges of ``agentcredit.trl.rollouts`` on real parts: the real minigrid game, the real tiny Qwen2 of
+``agentcredit.models`` and real ``trl.GRPOTrainer`` runs (rollout_func and environment_factory)."""
 
 import inspect
 import math
@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 import env_adapters  # noqa: E402
 from credit_plugins.hashing import stable_hash  # noqa: E402
-from env_adapters.trl import (ACTION_PREFIX, EvalResult, TurnRollout, _chat_text, compact_prompt,  # noqa: E402
+from agentcredit.trl.rollouts import (ACTION_PREFIX, EvalResult, TurnRollout, chat_text, compact_prompt,  # noqa: E402
                               environment_factory, evaluate, wilson_interval)
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -116,7 +116,7 @@ def test_minigrid_relative_mode_is_unchanged():
 
 
 def test_import_env_adapters_does_not_import_the_trl_bridge():
-    code = "import sys, env_adapters; assert 'env_adapters.trl' not in sys.modules and 'trl' not in sys.modules"
+    code = "import sys, env_adapters; assert 'agentcredit.trl.rollouts' not in sys.modules and 'trl' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
 
 
@@ -130,7 +130,7 @@ def tiny():
     100k-parameter model never writes a parseable action, which would leave the state replay untested)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from credit_plugins.models import resolve_model
+    from agentcredit.models import resolve_model
 
     torch.manual_seed(0)
     path = resolve_model("tiny-qwen2")
@@ -140,7 +140,7 @@ def tiny():
     rows = []
     for seed in range(8):
         obs = env.reset(seed)
-        prompt = tok(_chat_text(tok, compact_prompt(env.task, obs, env.legal_actions()), None),
+        prompt = tok(chat_text(tok, compact_prompt(env.task, obs, env.legal_actions()), None),
                      add_special_tokens=False)["input_ids"]
         for a in ("up", "down", "left", "right"):
             rows.append((prompt, tok(f"{a}</action>", add_special_tokens=False)["input_ids"]))

@@ -1,4 +1,4 @@
-"""TRL recipes: ``credit_plugins.recipe`` (loading, overrides, validation, derived batch geometry), the shipped
+"""TRL recipes: ``agentcredit.recipe`` (loading, overrides, validation, derived batch geometry), the shipped
 ``recipes/trl/*.yaml``, ``agentcredit train`` end to end on the tiny model, and the verl-recipe command."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 
 pytest.importorskip("trl")
 
-from credit_plugins import cli  # noqa: E402
-from credit_plugins.recipe import RecipeError, is_verl_recipe, load_recipe  # noqa: E402
+from agentcredit import cli  # noqa: E402
+from agentcredit.recipe import RecipeError, is_verl_recipe, load_recipe  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TRL_RECIPES = sorted(glob.glob(str(ROOT / "recipes" / "trl" / "*.yaml")))
@@ -242,7 +242,7 @@ def test_environment_factory_geometry(tmp_path):
 
 
 def test_train_seeds_exclude_eval_and_are_deterministic(tmp_path):
-    from credit_plugins.train import train_seeds
+    from agentcredit.train import train_seeds
 
     r = load_recipe(_write(tmp_path), ["agentcredit.train_seeds=[0,30]", "agentcredit.eval.seeds=[10,20]"])
     a, b = train_seeds(r, 10, seed=0), train_seeds(r, 10, seed=0)
@@ -280,7 +280,7 @@ def test_cli_errors_are_one_clean_line(tmp_path, capsys):
 
 
 def test_learning_curve_plot_from_metrics(tmp_path):
-    from credit_plugins.trl_logging import plot_learning_curve
+    from agentcredit.trl.callbacks import plot_learning_curve
 
     m = tmp_path / "metrics.jsonl"
     m.write_text("\n".join(json.dumps({"step": s, "loss": 0.1 * s, "agentcredit/success": 0.1 * s,
@@ -337,8 +337,8 @@ def test_expert_turns_follow_shortest_paths_in_the_rollout_format(tmp_path):
     from transformers import AutoTokenizer
 
     import env_adapters
-    from credit_plugins.models import resolve_model
-    from credit_plugins.sft import expert_turns
+    from agentcredit.models import resolve_model
+    from agentcredit.sft import expert_turns
 
     recipe = load_recipe(DEMO)
     tok = AutoTokenizer.from_pretrained(resolve_model("tiny-qwen2"))

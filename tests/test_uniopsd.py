@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import credit_plugins as cp
-from credit_plugins import hindsight
+from agentcredit.trl import hindsight
 from credit_plugins.estimators import gigpo as gigpo_mod
 from credit_plugins.estimators import uniopsd as mod
-from credit_plugins.hindsight import choose_peers, last_action, peer_prefix
+from agentcredit.trl.hindsight import choose_peers, last_action, peer_prefix
 
 from .strategies import columns, step_batches
 
@@ -624,7 +624,7 @@ def test_params_and_keywords_together_raise():
 def test_estimator_record():
     e = mod.ESTIMATOR
     assert e.name == "uniopsd" and e.output == "token" and e.stateful is mod.UniOPSD
-    assert e.requires == ("state", "logp_old", "logp_teacher", "response_mask")
+    assert e.required_fields == ("state", "logp_old", "logp_teacher", "response_mask")
     assert "Ahat_kt" in e.formula and "c*" in e.formula and "arXiv:2609.34810" in e.paper
     d = e.defaults()
     assert d["gamma"] == 0.95 and d["norm_std"] is False and d["a_reliability"] == 0.5 and d["rho_decay"] == 0.9

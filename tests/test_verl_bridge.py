@@ -24,8 +24,8 @@ from verl.trainer.ppo import core_algos  # noqa: E402
 from verl.trainer.ppo.ray_trainer import compute_advantage  # noqa: E402
 
 import credit_plugins as cp  # noqa: E402
-from credit_plugins.verl import hooks  # noqa: E402
-from credit_plugins.verl.contract import RowMeta  # noqa: E402
+from agentcredit.verl import _compat, hooks  # noqa: E402
+from agentcredit.verl.contract import RowMeta  # noqa: E402
 
 pytestmark = pytest.mark.verl
 
@@ -111,13 +111,12 @@ def test_legacy_compute_advantage_equals_pure_function():
 
 #: the estimators of the flat step table (the search and hindsight ones read rollout-specific extras: their verl
 #: paths are tested in tests/test_env_verl_loop.py, and the hindsight ones are refused below)
-FLAT = sorted(n for n in hooks.OURS if set(cp.get(n).requires) <= {"state", "action", "success", "truncated"}
-              or n == "mvpo")
+FLAT = sorted(n for n in hooks.OURS if cp.get(n).sources() <= {"env"})
 
 
 @pytest.mark.parametrize("name", FLAT)
 def test_every_estimator_through_verls_compute_advantage_equals_its_pure_function(name):
-    from credit_plugins.verl import adapter
+    from agentcredit.verl import adapter
 
     adapter.INSTANCES.clear()  # stateful estimators: compare first batches
     data = legacy_batch()
@@ -125,6 +124,29 @@ def test_every_estimator_through_verls_compute_advantage_equals_its_pure_functio
     out = compute_advantage(data, adv_estimator=name, config=algo_config(name))
     assert torch.allclose(out.batch["advantages"][:, 0], pure(name), atol=1e-6)
     adapter.INSTANCES.clear()
+
+
+def test_stateful_estimator_statistics_reach_verls_metrics():
+    """MVPO's kappa and route fractions are logged on verl as on TRL (``agentcredit/mvpo/...``)."""
+    from agentcredit.verl import adapter
+    from agentcredit.verl.contract import RowMeta
+
+    adapter.INSTANCES.clear()
+    data = legacy_batch()
+    data.non_tensor_batch["signature"] = np.array([r[3][:2] for r in ROWS], dtype=object)
+    meta = RowMeta.from_non_tensor_batch(data.non_tensor_batch)
+    fn = core_algos.get_adv_estimator_fn("mvpo")
+    try:
+        with adapter.publish(meta):
+            fn(token_level_rewards=data.batch["token_level_rewards"], response_mask=data.batch["response_mask"],
+               index=data.non_tensor_batch["uid"], config=algo_config("mvpo"))
+        want = cp.get("mvpo").create()
+        want(pure_steps())
+        for key, value in want.stats.items():
+            assert meta.stats[f"agentcredit/{key}"] == pytest.approx(value)
+        assert "agentcredit/mvpo/kappa" in meta.stats
+    finally:
+        adapter.INSTANCES.clear()
 
 
 def test_batch_without_metadata_says_which_extra_fields_to_set():
@@ -154,10 +176,33 @@ def test_startup_check_fails_loudly_when_verl_internals_moved():
     def compute_advantage(batch, estimator, gamma=1.0):  # renamed parameters: a future verl
         return batch
 
-    with pytest.raises(hooks.VerlInternalsChanged, match=r"expected the first to be \['data', 'adv_estimator'\]"):
+    with pytest.raises(_compat.VerlInternalsChanged, match=r"expected the first to be \['data', 'adv_estimator'\]"):
         hooks.wrap_compute_advantage(compute_advantage)
-    with pytest.raises(hooks.VerlInternalsChanged, match="PPOTrainer._compute_advantage"):
+    with pytest.raises(_compat.VerlInternalsChanged, match="PPOTrainer._compute_advantage"):
         hooks.wrap_v1_compute_advantage(None)
+
+
+def test_credit_and_distillation_hooks_wrap_the_checkpoint_methods_once_each_in_any_order():
+    from agentcredit.verl import distill
+
+    calls = []
+
+    def _save_checkpoint(self):
+        calls.append("verl")
+
+    for first, second in ((hooks, distill), (distill, hooks)):
+        once = second.wrap_save_checkpoint(first.wrap_save_checkpoint(_save_checkpoint))
+        again = first.wrap_save_checkpoint(second.wrap_save_checkpoint(once))  # installing twice changes nothing
+        assert again is once
+        assert _compat.is_wrapped(once, "credit") and _compat.is_wrapped(once, "distill")
+        calls.clear()
+        once(types.SimpleNamespace(global_steps=0))
+        assert calls == ["verl"]
+    import verl.trainer.ppo.v1.trainer_base as tb
+
+    for name in ("_save_checkpoint", "_load_checkpoint"):  # the real trainer, after both plugins loaded
+        fn = tb.PPOTrainer.__dict__[name]
+        assert _compat.is_wrapped(fn, "credit") and _compat.is_wrapped(fn, "distill")
 
 
 def test_every_verl_binding_is_wrapped():
@@ -167,7 +212,7 @@ def test_every_verl_binding_is_wrapped():
     import verl.trainer.ppo.v1.utils as v1u
 
     for fn in (rt.compute_advantage, sep.compute_advantage, v1u.compute_advantage, tb.PPOTrainer._compute_advantage):
-        assert getattr(fn, "_agentcredit", False), fn
+        assert _compat.is_wrapped(fn, "credit"), fn
 
 
 def test_row_meta_from_v1_keys_and_tags():
@@ -182,7 +227,7 @@ def test_row_meta_from_v1_keys_and_tags():
 def test_config_yaml_matches_defaults():
     from importlib.resources import files
 
-    text = (files("credit_plugins.verl.config") / "agentcredit_ppo.yaml").read_text()
+    text = (files("agentcredit.verl.config") / "agentcredit_ppo.yaml").read_text()
     algorithm = yaml.safe_load(text)["algorithm"]
     for name in cp.available():
         if name in hooks.OURS:
@@ -277,7 +322,7 @@ def test_hindsight_estimators_are_refused_on_verl_with_the_reason(name):
 
 @pytest.mark.parametrize("name", FLAT)
 def test_v1_wrap_gives_each_estimators_step_advantages(transfer_queue, name):
-    from credit_plugins.verl import adapter
+    from agentcredit.verl import adapter
 
     adapter.INSTANCES.clear()
     keys = _write_rows(transfer_queue)
@@ -332,7 +377,7 @@ class _Counter:
 
 
 def test_stateful_estimator_state_is_saved_with_the_checkpoint_and_restored_on_resume(tmp_path):
-    from credit_plugins.verl import adapter
+    from agentcredit.verl import adapter
 
     def save(self):  # what verl's _save_checkpoint leaves behind: the global_step_N folder
         (tmp_path / f"global_step_{self.global_steps}").mkdir()
@@ -356,8 +401,45 @@ def test_stateful_estimator_state_is_saved_with_the_checkpoint_and_restored_on_r
         adapter.PENDING.clear()
 
 
+def test_estimator_state_after_resume_path_goes_to_the_new_step_folder(tmp_path):
+    """verl resumes from ``resume_from_path`` but saves later checkpoints under ``default_local_dir``: the state must
+    follow (it used to be written into the folder the run resumed from, and a later resume lost it)."""
+    from agentcredit.verl import adapter
+
+    old = tmp_path / "old_run" / "global_step_3"
+    old.mkdir(parents=True)
+    new_dir = tmp_path / "new_run"
+    counter = _Counter()
+    counter.batches = 7
+    adapter.INSTANCES["counter"] = (None, counter)
+    try:
+        torch.save({"counter": {"batches": 7}}, old / hooks.STATE_FILE)
+        trainer = types.SimpleNamespace(global_steps=0, config=OmegaConf.create(
+            {"trainer": {"default_local_dir": str(new_dir), "resume_mode": "resume_path",
+                         "resume_from_path": str(old)}}))
+        counter.batches = 0
+
+        def load(self):
+            self.global_steps = 3
+
+        hooks.wrap_load_checkpoint(load)(trainer)
+        assert counter.batches == 7  # read from the folder it resumed from
+        trainer.global_steps = 5
+        counter.batches = 9
+
+        def save(self):
+            (new_dir / f"global_step_{self.global_steps}").mkdir(parents=True)
+
+        hooks.wrap_save_checkpoint(save)(trainer)
+        assert torch.load(new_dir / "global_step_5" / hooks.STATE_FILE, weights_only=False)["counter"] == {"batches": 9}
+        assert torch.load(old / hooks.STATE_FILE, weights_only=False)["counter"] == {"batches": 7}  # untouched
+    finally:
+        adapter.INSTANCES.pop("counter", None)
+        adapter.PENDING.clear()
+
+
 def test_list_extras_keep_their_dtype_and_ragged_rows_are_padded():
-    from credit_plugins.verl.contract import _extra_column
+    from agentcredit.verl.contract import _extra_column
 
     mask = _extra_column([[True, False], [True, True, True]], "legal_mask")
     assert mask.dtype == bool and mask.tolist() == [[True, False, False], [True, True, True]]

@@ -49,7 +49,7 @@ def _compose(name: str, config_dir: Path = RECIPES):
 @pytest.fixture(scope="module")
 def base():
     """agentcredit_ppo alone (verl's ppo_trainer + the estimator blocks): the keys a recipe may set."""
-    return _compose("agentcredit_ppo", ROOT / "credit_plugins" / "verl" / "config")
+    return _compose("agentcredit_ppo", ROOT / "agentcredit" / "verl" / "config")
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +70,9 @@ def _leaves(node, prefix=""):
 
 
 #: the agent loop (name, class, rollout.n) of the recipes whose estimator needs a search rollout
-SEARCH_LOOPS = {"asct": ("agentcredit_counterfactual", "env_adapters.verl_search.CounterfactualAgentLoop", 8),
-                "sipo": ("agentcredit_tree", "env_adapters.verl_search.TreeAgentLoop", 1)}
-DEFAULT_LOOP = ("agentcredit_env", "env_adapters.verl.EnvAgentLoop", 8)
+SEARCH_LOOPS = {"asct": ("agentcredit_counterfactual", "agentcredit.verl.search_loops.CounterfactualAgentLoop", 8),
+                "sipo": ("agentcredit_tree", "agentcredit.verl.search_loops.TreeAgentLoop", 1)}
+DEFAULT_LOOP = ("agentcredit_env", "agentcredit.verl.agent_loop.EnvAgentLoop", 8)
 
 
 def _loop_of(name: str) -> tuple[str, str, int]:

@@ -26,7 +26,7 @@ def train_plain(trainer_cls, output_dir: str, steps: int = 3, batch: int = 8, nu
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
 
-    from credit_plugins.models import resolve_model
+    from agentcredit.models import resolve_model
 
     path = resolve_model("tiny-qwen2")
     tok = AutoTokenizer.from_pretrained(path)
@@ -51,7 +51,7 @@ def losses(trainer) -> list[tuple[float, float]]:
 def main(out: str) -> None:
     from trl import GRPOTrainer
 
-    from credit_plugins.trl import make_trainer
+    from agentcredit.trl import make_trainer
 
     rank = int(os.environ.get("RANK", "0"))
     result = {}

@@ -31,11 +31,9 @@ import scipy.sparse.csgraph as csgraph
 import scipy.sparse.linalg as spla
 import torch
 
-from ..segments import segment_sum
 from ..steptable import StepTable
 
-__all__ = ["TransitionGraph", "transition_graph", "solve", "bellman_iterate", "distance_to_success",
-           "segment_mean"]
+__all__ = ["TransitionGraph", "transition_graph", "solve", "bellman_iterate", "distance_to_success"]
 
 
 @dataclass(frozen=True)
@@ -72,12 +70,6 @@ def transition_graph(steps: StepTable) -> TransitionGraph:
     nxt = torch.where(steps.is_last, torch.where(won, n, n + 1), nxt)
     count = torch.bincount(node, minlength=n).to(torch.float64)
     return TransitionGraph(node=node, next=nxt, n=n, count=count)
-
-
-def segment_mean(values: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
-    """``out[k] = mean(values[index == k])`` in float64 (0 for empty segments)."""
-    count = torch.bincount(index, minlength=n).to(torch.float64)
-    return segment_sum(values, index, n) / count.clamp(min=1)
 
 
 def solve(n: int, src: torch.Tensor, dst: torch.Tensor, coef: torch.Tensor,

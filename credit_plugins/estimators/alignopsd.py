@@ -1,4 +1,9 @@
-"""AlignOPSD: decision-aligned on-policy self-distillation credit (rectified teacher gap, semi-Markov allocation).
+from __future__ import annotations
+
+# The module docstring is assigned, not a leading literal, so that ``python -OO`` (which strips docstrings)
+# keeps it: ESTIMATOR.formula is read from its paragraphs, one text for the docs and the registry record.
+__doc__ = """\
+AlignOPSD: decision-aligned on-policy self-distillation credit (rectified teacher gap, semi-Markov allocation).
 
 Paper: "Beyond Timestamps: Decision-Aligned On-Policy Self-Distillation for Multi-Turn LLM Agents" (AlignOPSD),
 arXiv:2609.33391. Spec: ``DISTILL.md`` §8 [S-code]: follows the authors' code ``mingju-c/Align-OPSD``
@@ -63,16 +68,14 @@ Decisions where the spec is open or reconstructed:
 * Memory: H, B and the profiles are ``[G, M, M]`` float64 blocks (M = most turn rows in one task group).
 """
 
-from __future__ import annotations
-
 import math
 import textwrap
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
-from ..estimator import Estimator, make_params, param
+from ..estimator import Estimator, Extra, make_params, param
 from ..segments import group_normalise, segment_sum
 from ..steptable import StepTable
 from . import _alignopsd_m1 as m1
@@ -94,8 +97,6 @@ BUDGET_TOL = 1e-9
 class AlignOPSDParams:
     """Hyperparameters of AlignOPSD (defaults: the authors' ``beyond_timestamps_trainer.yaml``)."""
 
-    VERL_EXTRAS: ClassVar[tuple[str, ...]] = EXTRAS
-    VERL_OPTIONAL_EXTRAS: ClassVar[tuple[str, ...]] = OPTIONAL_EXTRAS
 
     # ---- M1: supervision rectification ----
     tau_sim: float = param(0.70, "Similarity threshold tau_sim in [-1, 1) for sources and for profile validity "
@@ -271,21 +272,13 @@ def _check_finite(steps: StepTable, name: str, lp: torch.Tensor, mask: torch.Ten
                          f"row {int(steps.order[r])}; recompute them (or mask those tokens out of response_mask)")
 
 
-def _has(steps: StepTable, name: str) -> bool:
-    try:
-        steps.extra(name)
-    except ValueError:
-        return False
-    return True
-
-
 def _sorted_src_as_input(steps: StepTable, src: torch.Tensor) -> torch.Tensor:
     return torch.where(src >= 0, steps.order[src.clamp(min=0)], -1)
 
 
 def _cross_inputs(steps: StepTable, p: AlignOPSDParams, src: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
     """``logp_cross`` [S, K, L] (float64, sorted rows) after checking ``cross_src`` against the selection."""
-    have_lp, have_src = _has(steps, "logp_cross"), _has(steps, "cross_src")
+    have_lp, have_src = (steps.extra(name, None) is not None for name in ("logp_cross", "cross_src"))
     if not have_lp and not have_src:
         return None
     if not (have_lp and have_src):
@@ -315,9 +308,9 @@ def _cross_inputs(steps: StepTable, p: AlignOPSDParams, src: torch.Tensor, mask:
 
 
 def _valid(steps: StepTable) -> torch.Tensor | None:
-    if not _has(steps, "valid"):
+    v = steps.extra("valid", None)
+    if v is None:
         return None
-    v = steps.extra("valid")
     if v.ndim != 1:
         raise ValueError(f"extras['valid'] has shape {tuple(v.shape)}; give [S] bools (is_action_valid per turn)")
     if v.dtype != torch.bool and (v.is_complex() or not bool(((v == 0) | (v == 1)).all())):
@@ -546,6 +539,8 @@ ESTIMATOR = Estimator(
     formula=textwrap.dedent(__doc__.split("\n\n")[2]) + "\nextras: logp_old, logp_teacher, response_mask [S, L]; "
                                                         "emb_teacher, emb_student [S, D]; optional logp_cross [S, K, L] "
                                                         "+ cross_src [S, K] (from select_sources), valid [S]",
-    requires=EXTRAS,
+    extras=tuple(Extra(n, "hindsight") for n in EXTRAS) + (
+        Extra("logp_cross", "hindsight", required=False), Extra("cross_src", "hindsight", required=False),
+        Extra("valid", "turns", required=False)),
     output="token",
 )

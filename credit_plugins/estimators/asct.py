@@ -1,4 +1,9 @@
-"""ASCT: actor-centred credit from a counterfactual decision table (the estimator side).
+from __future__ import annotations
+
+# The module docstring is assigned, not a leading literal, so that ``python -OO`` (which strips docstrings)
+# keeps it: ESTIMATOR.formula is read from its paragraphs, one text for the docs and the registry record.
+__doc__ = """\
+ASCT: actor-centred credit from a counterfactual decision table (the estimator side).
 
 Paper: Li, Yang, Liu, Wan, ..., Luo, Sun, "ASCT: Attentive Search over Counterfactual Trees for Credit Assignment in
 Agentic RL", arXiv:2609.35215 (§4, Alg. 1, App. A). Spec: ``CREDIT.md`` §1.3, §7. No author code is public; this
@@ -40,15 +45,12 @@ Decisions where the paper is open (spec §7.4, §15 item 7):
   coverage needs budget >= |A(s)|"). A row with no legal action is an error: terminal states have no decision row.
 """
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
-from ..estimator import Estimator, param
+from ..estimator import Estimator, Extra, param
 from ..steptable import StepTable
 
 __all__ = ["ASCTParams", "ESTIMATOR", "legal_probs", "centred_q", "actor_centred_credit", "standardise_decisions"]
@@ -58,9 +60,7 @@ __all__ = ["ASCTParams", "ESTIMATOR", "legal_probs", "centred_q", "actor_centred
 class ASCTParams:
     """Hyperparameters of ASCT's credit (the search's B, c_exp, c_tok, lambda, C_0 belong to the evaluator)."""
 
-    # extra_fields the verl bridge forwards as StepTable extras (env_adapters.verl_search.CounterfactualAgentLoop)
-    VERL_EXTRAS: ClassVar[tuple[str, ...]] = ("legal_p", "legal_mask", "q", "chosen")
-    VERL_OPTIONAL_EXTRAS: ClassVar[tuple[str, ...]] = ("visits",)
+    # extra_fields the verl bridge forwards as StepTable extras (agentcredit.verl.search_loops.CounterfactualAgentLoop)
 
     standardise: bool = param(True, "Standardise A^ across all multi-action decisions of the batch (Eq. 8 step 6); "
                               "False returns the raw actor-centred credit Q^(s,a_t) - V^(s).")
@@ -252,20 +252,13 @@ def asct(steps: StepTable, p: ASCTParams) -> torch.Tensor:
     """
     legal_p, mask, q, chosen = (steps.extra(k)[steps.inverse] for k in ("legal_p", "legal_mask", "q", "chosen"))
     mask = _mask_block(mask)
-    visits = _optional_extra(steps, "visits")
+    visits = steps.extra("visits", None)
     if visits is not None:
         _check_visits(visits[steps.inverse], mask)
     a = actor_centred_credit(legal_p, mask, q, chosen, p.p_tolerance)
     if p.standardise:
         a = standardise_decisions(a, mask.sum(dim=1) >= 2, eps=p.eps, unbiased=p.unbiased)
     return a[steps.order]
-
-
-def _optional_extra(steps: StepTable, name: str) -> torch.Tensor | None:
-    try:
-        return steps.extra(name)
-    except ValueError:
-        return None
 
 
 ESTIMATOR = Estimator(
@@ -276,6 +269,7 @@ ESTIMATOR = Estimator(
           "in Agentic RL (arXiv:2609.35215)",
     formula=__doc__.split("\n\n")[2] + "\nextras: legal_p [S, A] float, legal_mask [S, A] bool, q [S, A] float, "
                                         "chosen [S] int64 (required); visits [S, A] int64 (optional)",
-    requires=("legal_p", "legal_mask", "q", "chosen"),
+    extras=tuple(Extra(n, "counterfactual") for n in ("legal_p", "legal_mask", "q", "chosen")) + (
+        Extra("visits", "counterfactual", required=False),),
     output="step",
 )

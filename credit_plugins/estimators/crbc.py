@@ -1,4 +1,9 @@
-"""CRBC: Cross-Rollout Bellman Closure, step credit from the closed empirical process of each task group.
+from __future__ import annotations
+
+# The module docstring is assigned, not a leading literal, so that ``python -OO`` (which strips docstrings)
+# keeps it: ESTIMATOR.formula is read from its paragraphs, one text for the docs and the registry record.
+__doc__ = """\
+CRBC: Cross-Rollout Bellman Closure, step credit from the closed empirical process of each task group.
 
 Paper: Ren, Zhu, Yang, Xu, Lai, Zhang, "Cross-Rollout Bellman Closure for Long-Horizon Agentic RL",
 arXiv:2609.35082 (§3-4, Eqs. 3, 5-10, 12-15, Alg. 1, App. C.3). Spec: ``CREDIT.md`` §5 (and §1.1, §1.5, §15.4).
@@ -31,17 +36,15 @@ Conventions (decisions where the paper is silent; spec §15.4):
   and the closure is unique. Cycles and self-loops need nothing special (``_graph.solve``, exact).
 """
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 
 import torch
 
 from ..estimator import Estimator, param
-from ..segments import dense_ids
+from ..segments import dense_ids, segment_mean
 from ..steptable import StepTable
-from ._graph import TransitionGraph, segment_mean, solve, transition_graph
+from ._graph import TransitionGraph, solve, transition_graph
 from .grpo import episode_advantage
 
 EPS = 1e-6

@@ -1,4 +1,9 @@
-"""GiGPO: group-in-group policy optimisation, the main step-level baseline.
+from __future__ import annotations
+
+# The module docstring is assigned, not a leading literal, so that ``python -OO`` (which strips docstrings)
+# keeps it: ESTIMATOR.formula is read from its paragraphs, one text for the docs and the registry record.
+__doc__ = """\
+GiGPO: group-in-group policy optimisation, the main step-level baseline.
 
 Paper: Feng, Xue, Liu, An, "Group-in-Group Policy Optimization for LLM Agent Training", NeurIPS 2025,
 arXiv:2505.10978. Follows ``gigpo/core_gigpo.py`` of verl-agent step for step (spec: ``CREDIT.md`` §3).
@@ -16,8 +21,6 @@ taken over step rows by default (verl-agent's ``compute_mean_std_cross_steps=Tru
 ``episode_stats="trajectories"`` for the paper's Eq. 3). Exact-match anchors only: verl-agent's optional
 ``difflib`` similarity clustering is greedy and order-dependent, and is not offered.
 """
-
-from __future__ import annotations
 
 from dataclasses import dataclass
 

@@ -1,4 +1,9 @@
-"""GraphHCA: closed-form hindsight credit on the pooled state graph of each task group.
+from __future__ import annotations
+
+# The module docstring is assigned, not a leading literal, so that ``python -OO`` (which strips docstrings)
+# keeps it: ESTIMATOR.formula is read from its paragraphs, one text for the docs and the registry record.
+__doc__ = """\
+GraphHCA: closed-form hindsight credit on the pooled state graph of each task group.
 
 Paper: Zhu, Ren, Li, Xu, Yang, Liu, Zhang, "GraphHCA: Closed-Form Hindsight Credit Assignment for Long-Horizon LLM
 Agents", arXiv:2609.35084 (§4, Alg. 1, Eqs. 1, 5, 9-12, 16). Spec: ``CREDIT.md`` §4 (and §1.1, §1.5, §15.3).
@@ -31,15 +36,13 @@ Conventions (decisions where the paper is silent; spec §15.3):
   Phi^omega, which solves the same kind of system; see :func:`node_potential`.
 """
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 
 import torch
 
 from ..estimator import Estimator, param
-from ..segments import segment_mean_std
+from ..segments import segment_standardise
 from ..steptable import StepTable
 from ._graph import TransitionGraph, distance_to_success, solve, transition_graph
 
@@ -112,32 +115,16 @@ def _raw_credit(graph: TransitionGraph, phi: torch.Tensor, floor: float) -> torc
     return psi[graph.next] - psi[graph.node]
 
 
-def _standardise(values: torch.Tensor, index: torch.Tensor, count: torch.Tensor, ddof: int) -> torch.Tensor:
-    """(x - mean) / std per segment (``count`` rows each); 0 for singletons and flat segments."""
-    n = count.numel()
-    mean = torch.zeros(n, dtype=torch.float64).index_add_(0, index, values) / count.clamp(min=1)
-    dev = values - mean[index]
-    ss = torch.zeros(n, dtype=torch.float64).index_add_(0, index, dev * dev)
-    pop = (ss / count.clamp(min=1)).sqrt()
-    std = pop if ddof == 0 else (ss / (count - 1).clamp(min=1)).sqrt()
-    flat = (count < 2) | (pop < FLAT_TOL)
-    return torch.where(flat[index], 0.0, dev / torch.where(flat, 1.0, std)[index])
-
-
 def _step_advantage(steps: StepTable, graph: TransitionGraph, p: GraphHCAParams) -> torch.Tensor:
     phi = node_potential(graph, p.gamma, p.omega)
     credit = _raw_credit(graph, phi, p.floor)
-    return _standardise(credit, graph.node, graph.count, ddof=0 if p.step_std == "population" else 1)
+    return segment_standardise(credit, graph.node, graph.n, ddof=0 if p.step_std == "population" else 1, flat="std",
+                               flat_tol=FLAT_TOL)
 
 
 def _trajectory_advantage(steps: StepTable) -> torch.Tensor:
-    r = steps.returns.to(torch.float64)
-    g, n = steps.traj_group, steps.n_groups
-    mean, std, count = segment_mean_std(r, g, n, ddof=1)
-    hi = torch.full((n,), -math.inf, dtype=torch.float64).scatter_reduce_(0, g, r, "amax")
-    lo = torch.full((n,), math.inf, dtype=torch.float64).scatter_reduce_(0, g, r, "amin")
-    degenerate = (count < 2) | (hi == lo)
-    a = torch.where(degenerate[g], 0.0, (r - mean[g]) / (std[g] + EPS))
+    # flat="range" with tolerance 0: a singleton group or one whose returns are all equal gets exactly 0
+    a = segment_standardise(steps.returns, steps.traj_group, steps.n_groups, ddof=1, eps=EPS, flat="range")
     return a[steps.row_traj]
 
 

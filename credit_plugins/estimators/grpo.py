@@ -1,4 +1,9 @@
-"""GRPO: group-relative outcome advantage (baseline).
+from __future__ import annotations
+
+# The module docstring is assigned, not a leading literal, so that ``python -OO`` (which strips docstrings)
+# keeps it: ESTIMATOR.formula is read from its paragraphs, one text for the docs and the registry record.
+__doc__ = """\
+GRPO: group-relative outcome advantage (baseline).
 
 Paper: Shao et al., "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",
 arXiv:2402.03300. Conventions as in verl's ``compute_grpo_outcome_advantage`` and verl-agent's
@@ -11,8 +16,6 @@ The samples of a group are its trajectories (``episode_stats="trajectories"``, t
 (``"steps"``, verl-agent: a trajectory weighs by its length). A group with one sample uses mean 0, std 1, so
 A = R / (1 + eps): verl's behaviour, not the paper's 0 (spec T2.4). A^E is broadcast to every step of the trajectory.
 """
-
-from __future__ import annotations
 
 from dataclasses import dataclass
 

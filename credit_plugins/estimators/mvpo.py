@@ -1,4 +1,9 @@
-"""MVPO: milestone viability potential policy optimisation (GiGPO plus a potential for zero-credit anchors).
+from __future__ import annotations
+
+# The module docstring is assigned, not a leading literal, so that ``python -OO`` (which strips docstrings)
+# keeps it: ESTIMATOR.formula is read from its paragraphs, one text for the docs and the registry record.
+__doc__ = """\
+MVPO: milestone viability potential policy optimisation (GiGPO plus a potential for zero-credit anchors).
 
 Paper: Zhou, Li, "Learning from Viable Failure Prefixes: Milestone Viability Potential Policy Optimization for
 Long-Horizon LLM Agents", arXiv:2609.37111 (§4, Alg. 1, App. A.3). Spec: ``CREDIT.md`` §6; no author code exists.
@@ -59,26 +64,25 @@ Decisions on what the paper leaves open (spec §6.2, §15 item 5); each is a par
 * A^epi uses ``episode_stats="steps"`` by default, GiGPO's verl-agent default, so that kappa = 0 equals ``gigpo``
   with the same parameters; ``"trajectories"`` is the paper's Eq. 2.
 * Numerics: the z-scores of Norm and Eq. 17 return 0 for a set whose spread is within rounding
-  (max - min <= 1e-9 (1 + max|x|)), the value in exact arithmetic. Without this, Eq. 17 would blow rounding noise
+  (max - min <= 1e-9 (1 + max|x|), ``segments.segment_standardise`` with ``flat="range"``), the value in exact
+  arithmetic. Without this, Eq. 17 would blow rounding noise
   of a constant Phi (already divided by std + eps once) up to O(1e-3). GiGPO's own terms are computed by
   ``gigpo.step_advantage`` unchanged, so X4 holds bit for bit outside constant anchor groups (there GiGPO returns
   its rounding noise, about 1e-11, where MVPO routes to kappa A^pot = 0).
 """
 
-from __future__ import annotations
-
 import math
 import textwrap
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
 from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
 
-from ..estimator import Estimator, make_params, param
-from ..segments import dense_ids, discounted_cumsum
+from ..estimator import Estimator, Extra, make_params, param
+from ..segments import dense_ids, discounted_cumsum, segment_mean_std, segment_standardise, segment_sum
 from ..steptable import StepTable
 from .gigpo import step_advantage
 from .grpo import EPISODE_STATS, episode_advantage
@@ -89,7 +93,7 @@ __all__ = ["MVPOParams", "MVPO", "MVPOTerms", "ESTIMATOR", "depth_bin", "kappa_s
 POTENTIAL_FORMS = ("eq15", "eq29")
 TERMINAL_POTENTIALS = ("hold", "outcome")
 W0 = (0.2, 0.3, 0.5, 10.0, 0.0)  # App. A.3: ALFWorld / WebShop milestone weights
-SPREAD_TOL = 1e-9
+SPREAD_TOL = 1e-9  # relative spread below which a z-scored set is flat (module docstring, Numerics)
 
 
 @dataclass
@@ -97,8 +101,6 @@ class MVPOParams:
     """Hyperparameters of MVPO (defaults: the paper's ALFWorld setting; [RECON] where the paper gives none)."""
 
     # extra_fields the verl bridge forwards as StepTable extras: required, and used when every row has them
-    VERL_EXTRAS: ClassVar[tuple[str, ...]] = ("signature",)
-    VERL_OPTIONAL_EXTRAS: ClassVar[tuple[str, ...]] = ("milestones", "loop_flag")
 
     # ---- GiGPO part (kappa = 0 reproduces gigpo with these) ----
     step_weight: float = param(0.5, "Weight omega of the routed step term (0.5 ALFWorld/WebShop, 1.0 search-QA).")
@@ -209,32 +211,6 @@ def amp_update(weights: list[float], utilities: list[float], beta_amp: float, ep
     return [(1.0 - beta_amp) * w + beta_amp * u / (total + eps) for w, u in zip(weights, utilities)]
 
 
-def _ssum(values: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
-    """float64 ``segment_sum`` through ``bincount`` (sequential, so deterministic; ~4x faster than ``index_add_``)."""
-    return torch.bincount(index, weights=values.to(torch.float64), minlength=n)
-
-
-def _mean_std(values: torch.Tensor, index: torch.Tensor, n: int):
-    """Per-segment mean, unbiased std (0 for one element) and count: ``segments.segment_mean_std`` on ``_ssum``."""
-    v = values.to(torch.float64)
-    count = torch.bincount(index, minlength=n).to(torch.float64)
-    mean = _ssum(v, index, n) / count.clamp(min=1)
-    dev = v - mean[index]
-    return mean, (_ssum(dev * dev, index, n) / (count - 1).clamp(min=1)).sqrt(), count
-
-
-def _zscore(values: torch.Tensor, index: torch.Tensor, n: int, eps: float) -> torch.Tensor:
-    """``(x - mean) / (std + eps)`` per segment (unbiased std); 0 for segments of one element or whose spread is
-    within rounding (``max - min <= 1e-9 (1 + max|x|)``)."""
-    v = values.to(torch.float64)
-    mean, std, _ = _mean_std(v, index, n)
-    hi = torch.full((n,), -math.inf, dtype=torch.float64).scatter_reduce_(0, index, v, "amax")
-    lo = torch.full((n,), math.inf, dtype=torch.float64).scatter_reduce_(0, index, v, "amin")
-    flat = (hi - lo) <= SPREAD_TOL * (1.0 + torch.maximum(hi.abs(), lo.abs()))
-    z = (v - mean[index]) / (std[index] + eps)
-    return torch.where(flat[index], torch.zeros_like(z), z)
-
-
 def viability_regions(group: torch.Tensor, traj: torch.Tensor, signature: torch.Tensor,
                       return_first_visit: bool = False):
     """Eqs. 9 and 28: dense region id per row and the number of regions.
@@ -318,17 +294,10 @@ def initial_state(p: MVPOParams) -> dict[str, Any]:
             "kappa": 1.0}
 
 
-def _optional_extra(steps: StepTable, name: str) -> torch.Tensor | None:
-    try:
-        return steps.extra(name)
-    except ValueError:
-        return None
-
-
 def _inputs(steps: StepTable, p: MVPOParams):
     """The signature, milestone columns [M, S] float64 (or None) and loop flags of ``steps``, validated."""
     steps.require("state", by="estimator 'mvpo'")
-    sig = _optional_extra(steps, "signature")
+    sig = steps.extra("signature", None)
     if sig is None:
         raise ValueError("estimator 'mvpo' needs extras['signature']: one progress signature per step row "
                          "(e.g. 'kitchen|apple+knife|d6', App. A.3); pass StepTable(..., extras={'signature': ...})")
@@ -336,7 +305,7 @@ def _inputs(steps: StepTable, p: MVPOParams):
         raise ValueError(f"extras['signature'] must be one int or string key per row, got a {sig.dtype} tensor of "
                          f"shape {tuple(sig.shape)}")
     sig = sig.to(torch.int64)
-    ms = _optional_extra(steps, "milestones")
+    ms = steps.extra("milestones", None)
     if ms is not None:
         m = len(p.milestone_weights)
         if ms.ndim != 2 or ms.shape[1] != m:
@@ -346,7 +315,7 @@ def _inputs(steps: StepTable, p: MVPOParams):
             raise ValueError("extras['milestones'] must hold 0/1 indicators h_tm")
         ms = ms.t().to(torch.float64).contiguous()  # one contiguous column per milestone
     loop = torch.zeros(steps.n_steps, dtype=torch.float64)
-    lf = _optional_extra(steps, "loop_flag")
+    lf = steps.extra("loop_flag", None)
     if lf is not None:
         if lf.ndim != 1:
             raise ValueError(f"extras['loop_flag'] must be one 0/1 flag per row, got shape {tuple(lf.shape)}")
@@ -360,10 +329,10 @@ def _potential_eq15(p, region, n_regions, region_group, n_groups, ms, weights, s
     raw = torch.zeros(n_regions, dtype=torch.float64)
     if ms is not None:
         for m, w in enumerate(weights):  # fixed summation order: reproducible to the bit across implementations
-            raw = raw + w * (_ssum(ms[m], region, n_regions) / count)
-    lbar = _ssum(loop, region, n_regions) / count
+            raw = raw + w * (segment_sum(ms[m], region, n_regions) / count)
+    lbar = segment_sum(loop, region, n_regions) / count
     raw = raw + p.alpha_s * success_visit - p.alpha_l * lbar
-    return _zscore(raw, region_group, n_groups, p.eps)
+    return segment_standardise(raw, region_group, n_groups, ddof=1, eps=p.eps, flat="range", flat_tol=SPREAD_TOL)
 
 
 def _potential_eq29(p, steps, region, n_regions, ms, weights, loop, count):
@@ -386,9 +355,9 @@ def _potential_eq29(p, steps, region, n_regions, ms, weights, loop, count):
     best_after[:-1] = best_from[1:]
     best_after[steps.is_last] = -1
     improves = (best_after > best_so_far).to(torch.float64)
-    pbar = _ssum(togo_n, region, n_regions) / count
-    r_rec = _ssum(improves, region, n_regions) / count
-    r_loop = _ssum(loop, region, n_regions) / count
+    pbar = segment_sum(togo_n, region, n_regions) / count
+    r_rec = segment_sum(improves, region, n_regions) / count
+    r_loop = segment_sum(loop, region, n_regions) / count
     return pbar + p.delta * (r_rec - r_loop)
 
 
@@ -423,14 +392,14 @@ def mvpo_terms(steps: StepTable, p: MVPOParams, state: dict[str, Any]) -> tuple[
     a_epi = episode_advantage(steps, norm_std=p.norm_std, eps=p.eps, episode_stats=p.episode_stats)
     a_anchor = step_advantage(steps, gamma=p.gamma, norm_std=p.norm_std, eps=p.eps)
     anchor, n_anchor = steps.anchor
-    _, anchor_std, anchor_n = _mean_std(steps.reward_to_go(p.gamma), anchor, n_anchor)
+    _, anchor_std, anchor_n = segment_mean_std(steps.reward_to_go(p.gamma), anchor, n_anchor, ddof=1)
 
     # steps 3, 6: regions and their statistics
     region, n_regions, first_visit = viability_regions(steps.row_group, steps.row_traj, sig, return_first_visit=True)
     region_group = torch.zeros(n_regions, dtype=torch.int64).scatter_(0, region, steps.row_group)
     count = torch.bincount(region, minlength=n_regions).to(torch.float64)
     visitors = region[first_visit]  # one entry per distinct (region, trajectory)
-    success_visit = (_ssum(success[first_visit], visitors, n_regions)
+    success_visit = (segment_sum(success[first_visit], visitors, n_regions)
                      / torch.bincount(visitors, minlength=n_regions).to(torch.float64))
 
     # steps 7-8: potential and count smoothing
@@ -448,7 +417,8 @@ def mvpo_terms(steps: StepTable, p: MVPOParams, state: dict[str, Any]) -> tuple[
     terminal = here if p.terminal_potential == "hold" else success
     nxt = torch.where(steps.is_last, terminal, nxt)
     a_pot_raw = p.gamma * nxt - here
-    a_pot = _zscore(a_pot_raw, steps.row_group, n_groups, p.eps)
+    a_pot = segment_standardise(a_pot_raw, steps.row_group, n_groups, ddof=1, eps=p.eps, flat="range",
+                                flat_tol=SPREAD_TOL)
 
     # steps 10, 12: routing and the final combination
     multi = anchor_n[anchor] > 1
@@ -544,5 +514,7 @@ ESTIMATOR = Estimator(
     formula=textwrap.dedent(__doc__.split("\n\n")[2]) + "\nextras: signature [S] (required); milestones [S, M], "
                                                         "loop_flag [S] (optional, 0/1)",
     requires=("state",),
+    extras=(Extra("signature", "env"), Extra("milestones", "env", required=False),
+            Extra("loop_flag", "env", required=False)),
     stateful=MVPO,
 )

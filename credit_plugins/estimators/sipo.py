@@ -1,4 +1,9 @@
-"""SIPO and its host AT²PO: turn credit on a rollout tree, leaf outcomes backed up through child-entropy weights.
+from __future__ import annotations
+
+# The module docstring is assigned, not a leading literal, so that ``python -OO`` (which strips docstrings)
+# keeps it: ESTIMATOR.formula is read from its paragraphs, one text for the docs and the registry record.
+__doc__ = """\
+SIPO and its host AT²PO: turn credit on a rollout tree, leaf outcomes backed up through child-entropy weights.
 
 Papers: Zong et al., "AT²PO: Agentic Turn-based Policy Optimization via Tree Search", arXiv:2601.04767 (the host,
 §4); Fu, Chen, Jia, ..., He, Wang, "SIPO: Selective-Inference Policy Optimization for Tree-Structured Agentic RL",
@@ -19,7 +24,7 @@ H(n) is the node's surprisal (-mean log p of its own sampled segment, the AT²PO
 the mean normalised leaf value of v's subtree before the correction, Z(v) SIPO's Eq. 2 criterion. a2 is estimated
 on each batch and used on the next one (state of :class:`SIPO`), so the first batch, or w = 0, is AT²PO exactly.
 
-Input: a tree node table (one row per node, see :mod:`credit_plugins.estimators._tree`): ``group`` = tree id, ``traj``
+Input: a tree node table (one row per node, see :mod:`credit_plugins.trees`): ``group`` = tree id, ``traj``
 = node id, ``t`` = 0, ``reward`` = leaf reward; extras ``parent`` [S] int64 (-1 = child of the prompt),
 ``surprisal`` [S] float (H); for SIPO also ``fresh`` [S] bool (created by an expansion as a new sibling),
 ``sel_rank`` [S] int64 (descending rank, 1 = best, in the most recent candidate ranking that included the node; -1 =
@@ -53,18 +58,16 @@ Decisions (spec §8, §15 item 6):
   for the next batch is taken from this batch's values before the correction (the code's order).
 """
 
-from __future__ import annotations
-
 import math
 import textwrap
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
-from ..estimator import Estimator, make_params, param
+from ..estimator import Estimator, Extra, make_params, param
 from ..steptable import StepTable
-from ._tree import CHILD_WEIGHTS, Forest, _int_column, blom, build_forest, child_weights, leaf_zscore, sfc_scores
+from ..trees import CHILD_WEIGHTS, Forest, _int_column, blom, build_forest, child_weights, leaf_zscore, sfc_scores
 
 __all__ = ["AT2POParams", "SIPOParams", "SIPO", "SIPOTerms", "at2po", "sipo", "sipo_terms", "tree_values",
            "leaf_values", "selection_events", "estimate_a2", "ESTIMATOR", "AT2PO_ESTIMATOR", "ESTIMATORS",
@@ -82,8 +85,6 @@ ROOT_EXTRAS = ("root_sel_rank", "root_sel_ncand", "root_selected")
 class AT2POParams:
     """Hyperparameters of AT²PO's tree credit (defaults: the SIPO code base, ``configs/sipo.yaml``)."""
 
-    VERL_EXTRAS: ClassVar[tuple[str, ...]] = AT2PO_EXTRAS
-    VERL_OPTIONAL_EXTRAS: ClassVar[tuple[str, ...]] = ()
 
     child_weights: str = param("softmax", "Backup weights of the children: 'softmax' exp(H_c)/sum exp(H) (released "
                                "code, SIPO Eq. 6) or 'linear' H_c/sum H (the AT²PO paper's Eq. 3).")
@@ -102,8 +103,6 @@ class AT2POParams:
 class SIPOParams(AT2POParams):
     """Hyperparameters of SIPO (defaults: ``configs/sipo.yaml``; [RECON] where the code and paper give none)."""
 
-    VERL_EXTRAS: ClassVar[tuple[str, ...]] = SIPO_EXTRAS
-    VERL_OPTIONAL_EXTRAS: ClassVar[tuple[str, ...]] = ("selected",) + ROOT_EXTRAS
 
     postsel_correction_weight: float = param(1.0, "Weight w of the order-statistic correction (Eq. 5); 0 gives "
                                              "AT²PO exactly.")
@@ -178,7 +177,7 @@ def _check_ranks(rank: torch.Tensor, ncand: torch.Tensor, where: str, ids: torch
 
 def _per_tree(steps: StepTable, forest: Forest, name: str, default, flag: bool = False) -> torch.Tensor:
     """[n_trees] value of the per-tree extra ``name`` (constant on the tree's rows), or ``default`` when absent."""
-    if name not in steps._given:
+    if steps.extra(name, None) is None:
         return torch.full((forest.n_trees,), default, dtype=torch.bool if flag else torch.int64)
     col = _flag(steps, name) if flag else _int_column(steps, name)
     per_tree = col[forest.first_row]
@@ -391,7 +390,7 @@ AT2PO_ESTIMATOR = Estimator(
     params=AT2POParams,
     paper="Zong et al. 2026, AT²PO: Agentic Turn-based Policy Optimization via Tree Search (arXiv:2601.04767)",
     formula=_PARAS[2] + "\nextras: parent [S] int64 (-1 = child of the prompt), surprisal [S] float",
-    requires=AT2PO_EXTRAS,
+    extras=tuple(Extra(n, "tree") for n in AT2PO_EXTRAS),
 )
 
 ESTIMATOR = Estimator(
@@ -402,7 +401,8 @@ ESTIMATOR = Estimator(
           "(arXiv:2609.34805)",
     formula=_PARAS[2] + "\n\n" + _PARAS[3] + "\nextras: parent, surprisal, fresh, sel_rank, sel_ncand [S]; "
                                              "selected, root_sel_rank, root_sel_ncand, root_selected [S] (optional)",
-    requires=SIPO_EXTRAS,
+    extras=tuple(Extra(n, "tree") for n in SIPO_EXTRAS) + tuple(Extra(n, "tree", required=False)
+                                                                for n in ("selected",) + ROOT_EXTRAS),
     stateful=SIPO,
 )
 

@@ -1,4 +1,9 @@
-"""TreeRL and Tree-GRPO: the tree-search comparison baselines of SIPO / AT²PO, on the same tree node table.
+from __future__ import annotations
+
+# The module docstring is assigned, not a leading literal, so that ``python -OO`` (which strips docstrings)
+# keeps it: ESTIMATOR.formula is read from its paragraphs, one text for the docs and the registry record.
+__doc__ = """\
+TreeRL and Tree-GRPO: the tree-search comparison baselines of SIPO / AT²PO, on the same tree node table.
 
 Papers: Hou et al., "TreeRL: LLM Reinforcement Learning with On-Policy Tree Search", ACL 2025, arXiv:2506.11902
 (formula via AT²PO §5.3.2 and a third-party reimplementation; code ``THUDM/TreeRL``,
@@ -17,7 +22,7 @@ TreeRL. With ``leave_one_out=True`` the leaf rewards are first replaced by ``r_u
 tree's leaves, as ``leaf_normalize`` in the released code does before the backup [S-code]; since that map is
 ``n/(n-1) (r_u - mean)``, it scales A by n/(n-1) and nothing else. The default (False) is the formula as the AT²PO
 paper states it [2ND]. A tree with one leaf keeps its reward under leave-one-out (no other leaf to average; every A is
-0 either way). Node layout: one row per node, see :mod:`credit_plugins.estimators._tree`.
+0 either way). Node layout: one row per node, see :mod:`credit_plugins.trees`.
 
 Tree-GRPO [RECON: the primary text was not read]. T is the leaf's tree (``group``), P its prompt
 (``extras['prompt']``, optional: default one prompt per tree, so the inter-tree term equals the intra-tree one);
@@ -26,19 +31,16 @@ step credit comes from shared prefixes appearing in several leaf rows; with one 
 the mean of its leaves' advantages (the per-token average of those rows; ``Forest.leaf_count`` recovers their sum).
 """
 
-from __future__ import annotations
-
 import math
 import textwrap
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
-from ..estimator import Estimator, param
+from ..estimator import Estimator, Extra, param
 from ..segments import dense_ids, group_normalise
 from ..steptable import StepTable
-from ._tree import Forest, build_forest
+from ..trees import Forest, build_forest
 
 __all__ = ["TreeRLParams", "TreeGRPOParams", "treerl", "tree_grpo", "treerl_values", "leave_one_out_rewards",
            "ESTIMATOR", "TREE_GRPO_ESTIMATOR", "ESTIMATORS"]
@@ -48,8 +50,6 @@ __all__ = ["TreeRLParams", "TreeGRPOParams", "treerl", "tree_grpo", "treerl_valu
 class TreeRLParams:
     """Hyperparameters of TreeRL's tree advantage."""
 
-    VERL_EXTRAS: ClassVar[tuple[str, ...]] = ("parent",)
-    VERL_OPTIONAL_EXTRAS: ClassVar[tuple[str, ...]] = ()
 
     leave_one_out: bool = param(False, "Subtract the leave-one-out mean of the other leaves of the tree from each "
                                 "leaf reward first (released code's leaf_normalize); scales A by n/(n-1).")
@@ -59,8 +59,6 @@ class TreeRLParams:
 class TreeGRPOParams:
     """Hyperparameters of Tree-GRPO's intra- plus inter-tree GRPO advantage [RECON]."""
 
-    VERL_EXTRAS: ClassVar[tuple[str, ...]] = ("parent",)
-    VERL_OPTIONAL_EXTRAS: ClassVar[tuple[str, ...]] = ("prompt",)
 
     norm_std: bool = param(True, "Divide both terms by their unbiased std + eps; False only centres them.")
     eps: float = param(1e-6, "Added to the std before dividing.")
@@ -102,9 +100,9 @@ def treerl(steps: StepTable, p: TreeRLParams) -> torch.Tensor:
 # ---- Tree-GRPO --------------------------------------------------------------------------------------------------
 def _prompt_ids(steps: StepTable, forest: Forest) -> tuple[torch.Tensor, int]:
     """[S] dense prompt id of each node (``extras['prompt']``, constant per tree) or the tree id."""
-    if "prompt" not in steps._given:
+    prompt = steps.extra("prompt", None)
+    if prompt is None:
         return forest.tree, forest.n_trees
-    prompt = steps.extra("prompt")
     if prompt.ndim != 1 or prompt.is_floating_point() or prompt.dtype == torch.bool:
         raise ValueError(f"StepTable.extras['prompt'] must be 1-D integer or string keys, got {prompt.dtype} "
                          f"{tuple(prompt.shape)}")
@@ -143,7 +141,7 @@ ESTIMATOR = Estimator(
     params=TreeRLParams,
     paper="Hou et al. 2025, TreeRL: LLM Reinforcement Learning with On-Policy Tree Search (arXiv:2506.11902)",
     formula=_PARAS[2] + "\nextras: parent [S] int64 (-1 = child of the prompt)",
-    requires=("parent",),
+    extras=(Extra("parent", "tree"),),
 )
 
 TREE_GRPO_ESTIMATOR = Estimator(
@@ -153,7 +151,7 @@ TREE_GRPO_ESTIMATOR = Estimator(
     paper="Ji et al. 2026, Tree Search for LLM Agent Reinforcement Learning (Tree-GRPO, arXiv:2509.21240) "
           "[reconstructed]",
     formula=_PARAS[3] + "\nextras: parent [S] int64; prompt [S] (optional, default one prompt per tree)",
-    requires=("parent",),
+    extras=(Extra("parent", "tree"), Extra("prompt", "tree", required=False)),
 )
 
 ESTIMATORS = (ESTIMATOR, TREE_GRPO_ESTIMATOR)

@@ -1,4 +1,9 @@
-"""UniOPSD: GiGPO whose step tier is fused with a successful-peer hindsight teacher, and token-modulated by it.
+from __future__ import annotations
+
+# The module docstring is assigned, not a leading literal, so that ``python -OO`` (which strips docstrings)
+# keeps it: ESTIMATOR.formula is read from its paragraphs, one text for the docs and the registry record.
+__doc__ = """\
+UniOPSD: GiGPO whose step tier is fused with a successful-peer hindsight teacher, and token-modulated by it.
 
 Paper: "UniOPSD: Unified On-Policy Self-Distillation", arXiv:2609.34810. Follows the authors' code
 ``Zenghuang-Fu/Uniopsd`` (``rlsd_utils.compute_opsd_step_tier``, ``compute_rlsd_token_advantage(form="fusion")``,
@@ -23,7 +28,7 @@ log-probs), ``logp_teacher`` (log-probs of the same tokens under the peer-prefix
 rows without a teacher carry ``logp_old`` itself, so delta = 0 there) and ``response_mask`` (0/1 or bool, 1 on trainable
 tokens). "Taught" rows are those with sum_t |delta| > 0 on the mask. Which rows get a teacher (the first successful
 peer of the group; successes and all-fail groups get none) is decided upstream, by
-:func:`credit_plugins.hindsight.choose_peers`, when the teacher log-probs are computed.
+:func:`agentcredit.trl.hindsight.choose_peers`, when the teacher log-probs are computed.
 
 Cross-batch state (:class:`UniOPSD`): the correlation EMA rhobar (``None`` before the first measurement), n_prev
 (the number of both-evidence rows of the last measurement) and the batch counter m. After every batch rhobar is
@@ -66,8 +71,6 @@ Decisions where the spec is open ([R]):
   ``dead_token_frac`` the mask tokens with Ahat = 0, ``opsd_rescue_frac`` the rows with A^S = 0 but F != 0.
 """
 
-from __future__ import annotations
-
 import math
 import numbers
 import textwrap
@@ -76,7 +79,7 @@ from typing import Any
 
 import torch
 
-from ..estimator import Estimator, make_params, param
+from ..estimator import Estimator, Extra, make_params, param
 from ..segments import segment_sum
 from ..steptable import StepTable
 from .gigpo import step_advantage
@@ -112,7 +115,7 @@ class UniOPSDParams:
                                      "rho = 0.25' ablation); None estimates it from previous batches.")
     peer_success_threshold: float | None = param(
         None, "What makes a trajectory a successful peer, read by the hindsight scoring "
-        "(credit_plugins.hindsight.choose_peers), not here: None = the rollout's success flag (robust to progress "
+        "(agentcredit.trl.hindsight.choose_peers), not here: None = the rollout's success flag (robust to progress "
         "shaping); a number = episode return >= it (the authors' peer_success_threshold 1.0 on ALFWorld's 10/0).")
 
     def __post_init__(self):
@@ -465,7 +468,8 @@ ESTIMATOR = Estimator(
     paper="UniOPSD: Unified On-Policy Self-Distillation (arXiv:2609.34810); code Zenghuang-Fu/Uniopsd",
     formula=textwrap.dedent(__doc__.split("\n\n")[2]) + "\nextras: logp_old, logp_teacher [S, L] float; response_mask "
                                                         "[S, L] 0/1 or bool",
-    requires=("state", "logp_old", "logp_teacher", "response_mask"),
+    requires=("state",),
+    extras=tuple(Extra(n, "hindsight") for n in EXTRAS),
     output="token",
     stateful=UniOPSD,
 )

@@ -25,6 +25,6 @@ def _has_verl_config(search_path: ConfigSearchPath) -> bool:
 
 class AgentCreditSearchPathPlugin(SearchPathPlugin):
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
-        search_path.append(provider="agentcredit", path="pkg://credit_plugins.verl.config")
+        search_path.append(provider="agentcredit", path="pkg://agentcredit.verl.config")
         if not _has_verl_config(search_path):
             search_path.append(provider="verl", path=VERL_CONFIG)

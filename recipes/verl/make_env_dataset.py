@@ -8,7 +8,7 @@
 
 One row = one episode (one prompt of verl's RLHFDataset); verl plays it ``actor_rollout_ref.rollout.n`` times, and the
 n sessions of a row share its ``seed`` and options, so they start from the same state (one GiGPO / GraphHCA group).
-Columns (``env_adapters/verl.py`` documents what the loop reads):
+Columns (``agentcredit/verl/agent_loop.py`` documents what the loop reads):
 
     data_source   "agentcredit/<env>"                      (verl's metrics are grouped by it)
     prompt        chat messages (RLHFDataset's prompt_key); verl copies it to ``raw_prompt``; the loop uses only its
@@ -79,7 +79,7 @@ def write(rows: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--env", required=True, help="env_adapters name (sokoban, alfworld, minigrid, textworld)")
     ap.add_argument("--train", type=int, default=256, help="train episodes (rows)")
     ap.add_argument("--val", type=int, default=64, help="validation episodes (rows)")

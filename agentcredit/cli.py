@@ -8,7 +8,7 @@ import shlex
 import subprocess
 import sys
 
-from . import registry
+from credit_plugins import registry
 
 KINDS = ("estimators", "schedulers", "envs")
 
@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", action="store_true", help="verl recipes: run the printed command")
     p.set_defaults(func=_cmd_train)
     p = sub.add_parser("sft", help="make a distillation teacher: fine-tune a recipe's model on the env's scripted "
-                       "expert (credit_plugins.sft)")
+                       "expert (agentcredit.sft)")
     p.add_argument("recipe", help="recipe YAML file (its model, env, prompt format and eval are used)")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the recipe")
     p.add_argument("--out", required=True, help="folder for the teacher checkpoint")

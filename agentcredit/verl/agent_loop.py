@@ -13,14 +13,14 @@ registry and hydra imports the ``_target_``; the extra keys become the construct
     actor_rollout_ref.rollout.agent.default_agent_loop=agentcredit_env       # or a dataset column agent_name
     # agentcredit_env.yaml:
     # - name: agentcredit_env
-    #   _target_: env_adapters.verl.EnvAgentLoop
+    #   _target_: agentcredit.verl.agent_loop.EnvAgentLoop
     #   env_name: minigrid
     #   env_options: {size: 5}
     #   max_steps: 8
     #   history_length: 2
 
-or by name with the default options: the ``verl.plugins`` entry point :mod:`env_adapters.verl_plugin` imports this
-module as soon as verl's agent-loop module is imported (``VERL_USE_EXTERNAL_MODULES=env_adapters.verl`` does the
+or by name with the default options: the ``verl.plugins`` entry point :mod:`agentcredit.verl` imports this
+module as soon as verl's agent-loop module is imported (``VERL_USE_EXTERNAL_MODULES=agentcredit.verl.agent_loop`` does the
 same where entry points are not installed, e.g. Ray ``py_modules``)::
 
     actor_rollout_ref.rollout.agent.default_agent_loop=agentcredit_env
@@ -50,7 +50,7 @@ What one episode returns
 (``build_prompt`` of the current observation with the last ``history_length`` steps, tokenized with the tokenizer's
 chat template through verl's Continuous Token builder, exactly as ``SingleTurnAgentLoop`` does), the model's
 response tokens with ``response_mask`` 1 (at most ``rollout.response_length``), and
-``extra_fields`` with the :mod:`credit_plugins.verl.contract` keys::
+``extra_fields`` with the :mod:`agentcredit.verl.contract` keys::
 
     step_idx     t
     anchor_key   env.state_key() before the action
@@ -84,7 +84,7 @@ from verl.utils.profiler import simple_timer
 
 import env_adapters
 
-from .prompting import build_prompt, parse_action
+from env_adapters.prompting import build_prompt, parse_action
 
 __all__ = ["EnvAgentLoop", "AGENT_NAME", "SAMPLE_FIELDS"]
 
@@ -167,7 +167,7 @@ class EnvAgentLoop(AgentLoopBase):
 
     def step_extras(self, env, action_text: str | None) -> dict[str, Any]:
         """Extra ``extra_fields`` of one step, computed at the decision state before the env acts (none here;
-        ``env_adapters.verl_search.CounterfactualAgentLoop`` adds ASCT's decision table)."""
+        ``agentcredit.verl.search_loops.CounterfactualAgentLoop`` adds ASCT's decision table)."""
         return {}
 
     def _filler_token(self) -> int:
@@ -242,3 +242,9 @@ class EnvAgentLoop(AgentLoopBase):
                 response_logprobs=s["response_logprobs"], reward_score=episode_return if last else None,
                 num_turns=2, metrics=AgentLoopMetrics(**s["metrics"]), extra_fields=extra))
         return outputs
+
+
+# The search loops subclass EnvAgentLoop; importing them here (after it is defined) registers them whichever way this
+# module is loaded: by agentcredit.verl's post-import hook, or by VERL_USE_EXTERNAL_MODULES=agentcredit.verl.agent_loop,
+# in which case verl's agent-loop module fires that hook while this module is still being imported.
+from . import search_loops  # noqa: E402,F401

@@ -6,7 +6,7 @@ The teacher must score the student's tokens, so it is the recipe's own model (sa
 recipe's own turn format: for ``--episodes`` training seeds (drawn from ``agentcredit.train_seeds`` past the ones a
 run uses first, never an eval seed) the env's scripted expert (``env.expert_actions()``: the moves that start a
 shortest path; one drawn at random when several tie) plays an episode; every turn becomes one example, prompt = the
-rollout's Markovian prompt with the forced ``<action>`` (exactly what :class:`env_adapters.trl.TurnRollout` feeds
+rollout's Markovian prompt with the forced ``<action>`` (exactly what :class:`agentcredit.trl.rollouts.TurnRollout` feeds
 the model), target = ``"{action}</action>"``. Cross-entropy on the target tokens only, AdamW, the recipe's
 ``freeze_layers`` / dtype. The checkpoint (weights, tokenizer, ``sft_summary.json``) goes to ``--out``; the
 held-out evaluation of the recipe (same seeds, temperature) runs on it, so its success is the ceiling that the
@@ -30,7 +30,8 @@ def expert_turns(recipe: Recipe, tokenizer, seeds: list[int], rng: random.Random
     """``(prompt_ids, target_ids)`` of every turn of one expert episode per seed, in the rollout's format."""
     import env_adapters
     from env_adapters.prompting import build_prompt
-    from env_adapters.trl import _STOP, _chat_text, _legal, compact_prompt
+
+    from .trl.rollouts import ACTION_STOP, chat_text, compact_prompt, legal_actions
 
     ac = recipe.agentcredit
     env = env_adapters.make(ac.env, **dict(ac.env_options))
@@ -46,11 +47,11 @@ def expert_turns(recipe: Recipe, tokenizer, seeds: list[int], rng: random.Random
             if not moves:
                 break
             action = rng.choice(moves)
-            task, legal = getattr(env, "task", ""), _legal(env)
+            task, legal = getattr(env, "task", ""), legal_actions(env)
             user = (compact_prompt(task, obs, legal) if ac.prompt == "compact"
                     else build_prompt(task, history, obs, legal, ac.history_length))
-            prompt = tokenizer(_chat_text(tokenizer, user, ac.system), add_special_tokens=False)["input_ids"]
-            target = tokenizer(f"{action}{_STOP}", add_special_tokens=False)["input_ids"]
+            prompt = tokenizer(chat_text(tokenizer, user, ac.system), add_special_tokens=False)["input_ids"]
+            target = tokenizer(f"{action}{ACTION_STOP}", add_special_tokens=False)["input_ids"]
             rows.append((prompt, target))
             history.append((obs, action))
             res = env.step(action)
@@ -126,7 +127,9 @@ def run_sft(recipe: Recipe, out: str, episodes: int = 256, steps: int = 60, batc
     tokenizer.save_pretrained(target)
     result = None
     if eval and ac.eval is not None:
-        result = train._evaluate(train.load_bridge(), model, tokenizer, recipe)
+        from .trl import rollouts
+
+        result = train._evaluate(rollouts, model, tokenizer, recipe)
         print(f"teacher held-out: success {result.success_rate:.1%} [{result.success_ci[0]:.1%}, "
               f"{result.success_ci[1]:.1%}] on {result.n_episodes} seeds, valid {result.valid_rate:.1%}", flush=True)
     summary = {"recipe": recipe.path, "overrides": list(recipe.overrides), "model": model_path, "out": str(target),

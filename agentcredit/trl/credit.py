@@ -1,7 +1,7 @@
 """The TRL bridge: a cooperative ``GRPOTrainer`` mixin that replaces GRPO's advantages with an agentcredit estimator's.
 
     from trl import GRPOTrainer
-    from credit_plugins.trl import make_trainer
+    from agentcredit.trl import make_trainer
 
     Trainer = make_trainer(GRPOTrainer, credit="gigpo", gamma=0.9)   # a GRPOTrainer subclass
     trainer = Trainer(model=..., args=GRPOConfig(...), reward_funcs=..., rollout_func=..., train_dataset=...)
@@ -14,23 +14,24 @@ How it works (TRL 1.16, ``trl/trainer/grpo_trainer.py``)
 * ``_calculate_rewards`` is called once per generation round inside ``_generate_and_score_completions`` with the
   local ``inputs`` (dataset columns plus the ``rollout_func``'s extra fields) and returns the rewards of every
   process (gathered). The mixin keeps both.
-* After the parent's ``_generate_and_score_completions``, the mixin builds one :class:`~credit_plugins.StepTable`
-  over the **global** generation batch (each rank gathers the others' step rows, so groups may span ranks), calls the
-  estimator, and sets ``output["advantages"]`` to a ``[B_local, T]`` tensor: each step's advantage on the tokens of
-  its turn, 0 on prompt, env and padding tokens. ``_compute_loss`` keeps ``[B, T]`` advantages as they are
-  (``if advantages.dim() == 1: unsqueeze``), so every loss type uses them unchanged.
+* After the parent's ``_generate_and_score_completions``, the mixin collects this rank's steps as :class:`StepRow`
+  records and gathers every rank's (so groups may span ranks), builds one :class:`~credit_plugins.StepTable` over
+  the **global** generation batch, calls the estimator, and scatters its advantages into ``output["advantages"]``, a
+  ``[B_local, T]`` tensor: each step's advantage on the tokens of its turn, 0 on prompt, env and padding tokens.
+  ``_compute_loss`` keeps ``[B, T]`` advantages as they are (``if advantages.dim() == 1: unsqueeze``), so every loss
+  type uses them unchanged.
 * Groups are TRL's own: global row ``i`` belongs to group ``i // num_generations`` (``RepeatSampler`` puts the
   ``num_generations`` rollouts of a prompt next to each other).
 
 Where the steps come from (the first that applies)
 --------------------------------------------------
-1. **One row per turn** (``env_adapters.trl.TurnRollout``): the rows carry the extra fields
+1. **One row per turn** (``agentcredit.trl.rollouts.TurnRollout``): the rows carry the extra fields
    ``agentcredit_traj`` (-1: padding row, left out), ``agentcredit_t``, ``agentcredit_state``,
    ``agentcredit_action``, ``agentcredit_success``, ``agentcredit_truncated`` and ``agentcredit_valid``, and
    optionally ``agentcredit_extras`` (a dict per row, turned into StepTable extras: scalars ``[S]``, lists
    ``[S, A]``; a tree's ``parent`` gets the rank offset of ``traj``). A row is one step; its reward is the row's TRL
    reward (the rollout's ``reward_func`` returns the step reward). Token-level estimators (``[S, T]``: UniOPSD and
-   AlignOPSD, whose hindsight extras :mod:`credit_plugins.privileged` computes here) need this layout.
+   AlignOPSD, whose hindsight extras :mod:`agentcredit.trl.privileged` computes here) need this layout.
 2. **One row per episode** (``environment_factory``, TRL's tool loop): the environment instance of row ``i``
    (``trainer.environments[i]``) keeps ``agentcredit_turns`` (one record ``{state, action, reward, valid}`` per tool
    call), ``agentcredit_final_state``, ``agentcredit_success`` and ``agentcredit_done``. The turns are the runs of
@@ -51,68 +52,28 @@ for the hindsight estimators, ``agentcredit/hindsight_*`` (taught fraction, seco
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from . import registry
-from .hashing import stable_hash
-from .steptable import StepTable, list_block
+from credit_plugins import registry
+from credit_plugins.hashing import stable_hash
+from credit_plugins.steptable import StepTable, list_block
 
-__all__ = ["CreditMixin", "make_trainer", "check_trl", "TRLInternalsChanged", "turn_ids_from_mask", "ROW_FIELDS",
+from ._compat import TRLInternalsChanged, check_trl, checkpoint_folder, grpo_trainer
+
+__all__ = ["CreditMixin", "make_trainer", "check_trl", "TRLInternalsChanged", "turn_ids_from_mask", "StepRow",
            "STATE_FILE"]
 
 logger = logging.getLogger("agentcredit")
 
-#: the per-row extra fields of a one-row-per-turn rollout (``env_adapters.trl.TurnRollout``)
-ROW_FIELDS = ("agentcredit_traj", "agentcredit_t", "agentcredit_state", "agentcredit_action",
-              "agentcredit_success", "agentcredit_truncated", "agentcredit_valid")
 #: file of a stateful estimator's ``state_dict()`` inside a TRL checkpoint folder
 STATE_FILE = "agentcredit_estimator.pt"
-_TRL_RANGE = ((1, 16), (1, 17))
-
-
-class TRLInternalsChanged(RuntimeError):
-    """The installed TRL lacks an internal the bridge relies on (it is pinned to ``trl>=1.16,<1.17``)."""
-
-
-def check_trl(base: type | None = None) -> None:
-    """Check that ``base`` (default ``trl.GRPOTrainer``) has the hooks the mixin overrides, with the signatures
-    and the ``[B, T]``-advantage branch it relies on; raise :class:`TRLInternalsChanged` naming what is missing."""
-    import trl
-
-    if base is None:
-        base = trl.GRPOTrainer
-    problems = []
-    version = tuple(int(p) for p in trl.__version__.split(".")[:2] if p.isdigit())
-    if not (_TRL_RANGE[0] <= version < _TRL_RANGE[1]):
-        problems.append(f"trl {trl.__version__} is outside the supported range >=1.16,<1.17")
-    expected = {"_generate_and_score_completions": ["self", "inputs"],
-                "_calculate_rewards": ["self", "inputs", "prompts", "completions", "completion_ids_list"],
-                "_compute_loss": ["self", "model", "inputs"]}
-    for name, params in expected.items():
-        fn = getattr(base, name, None)
-        if fn is None:
-            problems.append(f"{base.__name__}.{name} is missing")
-            continue
-        got = list(inspect.signature(fn).parameters)
-        if got[:len(params)] != params:
-            problems.append(f"{base.__name__}.{name}{tuple(got)} no longer takes {tuple(params)}")
-    try:
-        src = inspect.getsource(base._compute_loss)
-    except (OSError, TypeError, AttributeError):
-        src = ""
-    if "advantages.dim() == 1" not in src:
-        problems.append(f"{base.__name__}._compute_loss no longer keeps [B, T] advantages "
-                        "('if advantages.dim() == 1: advantages = advantages.unsqueeze(1)')")
-    if problems:
-        raise TRLInternalsChanged("agentcredit's TRL bridge cannot work with this TRL: " + "; ".join(problems)
-                                  + ". Install trl>=1.16,<1.17 (pip install 'agentcredit[trl]').")
 
 
 def turn_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -123,24 +84,64 @@ def turn_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(m, ids, torch.full_like(ids, -1))
 
 
-def _step_rows_per_turn(inputs: list[dict], rewards: torch.Tensor) -> list[tuple]:
-    """Rows of a one-row-per-turn rollout: ``(row, turn, traj, t, state, action, reward, success, truncated,
-    valid, extras)``; padding rows (traj -1) and unscorable rows (NaN reward) are left out."""
+#: per-rank offset of ``traj`` (and of the node-id extras) that makes trajectory ids unique over the global batch
+TRAJ_STRIDE = 1 << 32
+
+
+@dataclass(frozen=True, slots=True)
+class StepRow:
+    """One step of the generation batch, as the bridge collects it (picklable: ranks exchange them with
+    ``accelerate.utils.gather_object``).
+
+    ``row`` is the step's row of this rank's generation batch and ``turn`` its turn there (the k-th run of model
+    tokens; 0 in the one-row-per-turn layout); ``traj`` .. ``valid`` are the StepTable columns and ``extras`` the
+    rollout's ``agentcredit_extras`` of the row. :meth:`placed` fills the batch-wide fields: ``rank`` (the process that
+    generated the row), ``global_row`` (its row in the global batch) and ``group`` (TRL's prompt group), and makes
+    ``traj`` unique over the batch.
+    """
+
+    row: int
+    turn: int
+    traj: int
+    t: int
+    state: int
+    action: int
+    reward: float
+    success: bool
+    truncated: bool
+    valid: bool = True
+    extras: dict[str, Any] = field(default_factory=dict)
+    rank: int = 0
+    global_row: int = -1
+    group: int = -1
+
+    def placed(self, rank: int, n_local: int, num_generations: int) -> StepRow:
+        """This row as row ``row`` of rank ``rank`` (``n_local`` rows per rank, groups of ``num_generations``)."""
+        global_row = self.row + rank * n_local
+        return replace(self, rank=rank, global_row=global_row, group=global_row // num_generations,
+                       traj=rank * TRAJ_STRIDE + self.traj)
+
+
+def _step_rows_per_turn(inputs: list[dict], rewards: torch.Tensor) -> list[StepRow]:
+    """Rows of a one-row-per-turn rollout (one step each, turn 0); padding rows (traj -1) and unscorable rows (NaN
+    reward) are left out."""
     out = []
     for i, row in enumerate(inputs):
         traj = int(row["agentcredit_traj"])
         r = float(rewards[i])
         if traj < 0 or r != r:
             continue
-        out.append((i, 0, traj, int(row["agentcredit_t"]), int(row["agentcredit_state"]),
-                    int(row["agentcredit_action"]), r, bool(row["agentcredit_success"]),
-                    bool(row["agentcredit_truncated"]), bool(row.get("agentcredit_valid", True)),
-                    dict(row.get("agentcredit_extras") or {})))
+        out.append(StepRow(row=i, turn=0, traj=traj, t=int(row["agentcredit_t"]), state=int(row["agentcredit_state"]),
+                           action=int(row["agentcredit_action"]), reward=r,
+                           success=bool(row["agentcredit_success"]), truncated=bool(row["agentcredit_truncated"]),
+                           valid=bool(row.get("agentcredit_valid", True)),
+                           extras=dict(row.get("agentcredit_extras") or {})))
     return out
 
 
-def _step_rows_from_envs(envs: list, rewards: torch.Tensor, n_turns: list[int]) -> list[tuple]:
-    """Rows of whole-episode rollouts whose environments recorded ``agentcredit_turns`` (see the module doc)."""
+def _step_rows_from_envs(envs: list, rewards: torch.Tensor, n_turns: list[int]) -> list[StepRow]:
+    """Rows of whole-episode rollouts whose environments recorded ``agentcredit_turns`` (see the module doc): step
+    ``k`` of row ``i`` is its turn ``k`` (traj ``i``, t ``k``)."""
     out = []
     for i, env in enumerate(envs):
         r_row = float(rewards[i])
@@ -160,14 +161,16 @@ def _step_rows_from_envs(envs: list, rewards: torch.Tensor, n_turns: list[int]) 
         steps[-1][3] += r_row - sum(s[3] for s in steps)  # other reward functions' share lands on the last step
         success = bool(getattr(env, "agentcredit_success", False))
         truncated = not bool(getattr(env, "agentcredit_done", False))
-        out.extend((i, k, i, k, state, action, reward, success, truncated, valid, {})
+        out.extend(StepRow(row=i, turn=k, traj=i, t=k, state=state, action=action, reward=reward, success=success,
+                           truncated=truncated, valid=valid)
                    for k, state, action, reward, valid in steps)
     return out
 
 
-def _step_rows_plain(prompts: list, rewards: torch.Tensor) -> list[tuple]:
+def _step_rows_plain(prompts: list, rewards: torch.Tensor) -> list[StepRow]:
     """One step per row: reward = the row's TRL reward, state = the prompt (NaN rows left out)."""
-    return [(i, 0, i, 0, stable_hash(repr(p)), -1, float(rewards[i]), float(rewards[i]) > 0, False, True, {})
+    return [StepRow(row=i, turn=0, traj=i, t=0, state=stable_hash(repr(p)), action=-1, reward=float(rewards[i]),
+                    success=float(rewards[i]) > 0, truncated=False)
             for i, p in enumerate(prompts) if float(rewards[i]) == float(rewards[i])]
 
 
@@ -234,6 +237,21 @@ class CreditMixin:
                                       "_calculate_rewards; agentcredit cannot see the rewards")
         started = time.perf_counter()
         mode = "train" if self.model.training else "eval"
+        rows, mask, turn_ids = self._agentcredit_collect(output, ctx, mode)
+        advantages = torch.zeros(mask.shape, dtype=torch.float32)
+        if rows:
+            steps = self._agentcredit_table(output, rows, ctx["inputs"], mode)
+            adv = self._agentcredit(steps).to(torch.float32)
+            advantages = self._agentcredit_scatter(adv, rows, self.accelerator.process_index, mask, turn_ids,
+                                                   self.credit)
+            self._agentcredit_log(mode, steps, adv, [r.valid for r in rows], time.perf_counter() - started)
+        output["advantages"] = advantages.to(output["completion_ids"].device)
+        return output
+
+    def _agentcredit_collect(self, output, ctx: dict[str, Any], mode: str
+                             ) -> tuple[list[StepRow], torch.Tensor, torch.Tensor]:
+        """Every rank's step rows (in rank order, placed in the global batch), and this rank's ``[B_local, T]`` model
+        token mask and turn ids (-1 off the model's tokens)."""
         G = self.num_generations if mode == "train" else self.num_generations_eval
         rpf = ctx["rewards_per_func"]
         rewards = (rpf * self.reward_weights.to(rpf.device).unsqueeze(0)).nansum(dim=1)
@@ -255,46 +273,53 @@ class CreditMixin:
             rows = _step_rows_from_envs(envs, local_rewards, (turn_ids.max(dim=1).values + 1).tolist())
         else:
             rows = _step_rows_plain(ctx["prompts"], local_rewards)
-        # global row index, group and a batch-unique trajectory id; then every rank sees every rank's steps
-        rows = [(rank, i + rank * n_local, k, (i + rank * n_local) // G, rank * (1 << 32) + traj, *rest)
-                for i, k, traj, *rest in rows]
-        all_rows = self._agentcredit_gather(rows)
+        # global row, group and a batch-unique trajectory id; then every rank sees every rank's steps
+        rows = [r.placed(rank, n_local, G) for r in rows]
+        return self._agentcredit_gather(rows), mask, turn_ids
 
+    def _agentcredit_table(self, output, rows: list[StepRow], local_inputs, mode: str) -> StepTable:
+        """The StepTable of ``rows`` (all ranks'), with the rollout's extras and, for an estimator that reads
+        ``hindsight`` extras, those (computed here, one process)."""
+        extras = _row_extras([r.extras for r in rows], rank_offsets=[r.rank * TRAJ_STRIDE for r in rows])
+        steps = StepTable(group=[r.group for r in rows], traj=[r.traj for r in rows], t=[r.t for r in rows],
+                          state=[r.state for r in rows], action=[r.action for r in rows],
+                          reward=[r.reward for r in rows], success=[r.success for r in rows],
+                          truncated=[r.truncated for r in rows], extras=extras or None)
+        if "hindsight" in registry.get(self.credit).sources():
+            rank = self.accelerator.process_index
+            local_row = torch.tensor([r.row for r in rows if r.rank == rank], dtype=torch.long)
+            steps = self._agentcredit_hindsight(output, steps, local_row, local_inputs, mode, [r.valid for r in rows])
+        return steps
+
+    @staticmethod
+    def _agentcredit_scatter(adv: torch.Tensor, rows: Sequence[StepRow], rank: int, mask: torch.Tensor,
+                             turn_ids: torch.Tensor, credit: str) -> torch.Tensor:
+        """The ``[B_local, T]`` advantages of rank ``rank``'s rows: a per-step ``adv`` ``[S]`` (row ``j`` of ``rows``)
+        on every token of the step's turn, a per-token ``[S, T]`` one (one step per completion row) times ``mask``;
+        0 on tokens outside the turns (``turn_ids`` -1) and on rows without a step."""
         advantages = torch.zeros(mask.shape, dtype=torch.float32)
-        if all_rows:
-            cols = list(zip(*all_rows))
-            extras = _row_extras(cols[12], rank_offsets=[r[0] * (1 << 32) for r in all_rows])
-            steps = StepTable(group=list(cols[3]), traj=list(cols[4]), t=list(cols[5]), state=list(cols[6]),
-                              action=list(cols[7]), reward=list(cols[8]), success=list(cols[9]),
-                              truncated=list(cols[10]), extras=extras or None)
-            mine = torch.tensor([r[0] == rank for r in all_rows])
-            local_row = torch.tensor([r[1] - rank * n_local for r in all_rows])[mine]
-            local_turn = torch.tensor([r[2] for r in all_rows])[mine]
-            estimator = registry.get(self.credit)
-            if "logp_teacher" in estimator.requires:
-                steps = self._agentcredit_hindsight(output, steps, local_row, local_inputs, mode, cols[11])
-            adv = self._agentcredit(steps).to(torch.float32)
-            if adv.dim() == 2:  # per token: each step row is one whole completion row (one-row-per-turn)
-                if adv.size(1) != mask.size(1):
-                    raise ValueError(f"estimator {self.credit!r} returned {adv.size(1)} token columns for "
-                                     f"completions of {mask.size(1)} tokens")
-                advantages[local_row] = adv[mine] * mask[local_row]
-            elif adv.dim() != 1:
-                raise ValueError(f"estimator {self.credit!r} returned shape {tuple(adv.shape)}; the TRL bridge "
-                                 "takes per-step [S] or per-token [S, T] advantages")
-            else:
-                n_turns = int(turn_ids.max().item()) + 1 if turn_ids.numel() else 0
-                table = torch.zeros(mask.size(0), max(n_turns, int(local_turn.max()) + 1 if len(local_turn) else 1))
-                table[local_row, local_turn] = adv[mine]
-                in_turn = turn_ids >= 0
-                advantages = torch.where(in_turn, table.gather(1, turn_ids.clamp(min=0)), advantages)
-            self._agentcredit_log(mode, steps, adv, cols[11], time.perf_counter() - started)
-        output["advantages"] = advantages.to(output["completion_ids"].device)
-        return output
+        mine = torch.tensor([r.rank == rank for r in rows])
+        local_row = torch.tensor([r.row for r in rows])[mine]
+        local_turn = torch.tensor([r.turn for r in rows])[mine]
+        if adv.dim() == 2:  # per token: each step row is one whole completion row (one-row-per-turn)
+            if adv.size(1) != mask.size(1):
+                raise ValueError(f"estimator {credit!r} returned {adv.size(1)} token columns for "
+                                 f"completions of {mask.size(1)} tokens")
+            advantages[local_row] = adv[mine] * mask[local_row]
+        elif adv.dim() != 1:
+            raise ValueError(f"estimator {credit!r} returned shape {tuple(adv.shape)}; the TRL bridge "
+                             "takes per-step [S] or per-token [S, T] advantages")
+        else:
+            n_turns = int(turn_ids.max().item()) + 1 if turn_ids.numel() else 0
+            table = torch.zeros(mask.size(0), max(n_turns, int(local_turn.max()) + 1 if len(local_turn) else 1))
+            table[local_row, local_turn] = adv[mine]
+            in_turn = turn_ids >= 0
+            advantages = torch.where(in_turn, table.gather(1, turn_ids.clamp(min=0)), advantages)
+        return advantages
 
     def _agentcredit_hindsight(self, output, steps: StepTable, local_row: torch.Tensor, local_inputs, mode: str,
                                valid) -> StepTable:
-        """``steps`` with the token-level hindsight extras (:mod:`credit_plugins.privileged`) of UniOPSD/AlignOPSD."""
+        """``steps`` with the token-level hindsight extras (:mod:`agentcredit.trl.privileged`) of UniOPSD/AlignOPSD."""
         from .privileged import hindsight_extras
 
         if self.accelerator.num_processes > 1:
@@ -303,22 +328,22 @@ class CreditMixin:
                              f"launch, or use a step-level estimator)")
         if not (local_inputs and "agentcredit_traj" in local_inputs[0]):
             raise ValueError(f"estimator {self.credit!r} needs the one-row-per-turn layout: use "
-                             f"rollout_func=env_adapters.trl.TurnRollout (recipes: agentcredit.rollout: turns)")
+                             f"rollout_func=agentcredit.trl.rollouts.TurnRollout (recipes: agentcredit.rollout: turns)")
         params = getattr(self._agentcredit, "params", None)
         token = hindsight_extras(self, output, steps, local_row.tolist(), self.credit, params)
-        if self.credit == "alignopsd":  # its invalid-action residual reads each turn's validity
+        if registry.get(self.credit).reads("valid"):  # e.g. AlignOPSD's invalid-action residual
             token["valid"] = torch.tensor([bool(v) for v in valid])
         stats = token.pop("_stats")
         for k, v in stats.items():
             self._metrics[mode][f"agentcredit/hindsight_{k}"].append(float(v))
         return steps.with_extras(token)
 
-    def _agentcredit_gather(self, rows: list[tuple]) -> list[tuple]:
+    def _agentcredit_gather(self, rows: list[StepRow]) -> list[StepRow]:
         if self.accelerator.num_processes == 1:
             return rows
         from accelerate.utils import gather_object
 
-        return [tuple(r) for chunk in gather_object([rows]) for r in chunk]  # one list per rank, in rank order
+        return [r for chunk in gather_object([rows]) for r in chunk]  # one list per rank, in rank order
 
     def _agentcredit_log(self, mode: str, steps: StepTable, adv: torch.Tensor, valid, seconds: float) -> None:
         m = self._metrics[mode]
@@ -345,10 +370,7 @@ class CreditMixin:
         super()._save_checkpoint(model, trial)
         state = self._agentcredit.state_dict()
         if state and self.args.should_save:
-            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            torch.save({"credit": self.credit, "state": state}, os.path.join(folder, STATE_FILE))
+            torch.save({"credit": self.credit, "state": state}, os.path.join(checkpoint_folder(self, trial), STATE_FILE))
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         super()._load_from_checkpoint(resume_from_checkpoint, model)
@@ -369,18 +391,18 @@ def make_trainer(base: type | None = None, credit: str = "grpo", schedule: str |
     ``credit_params`` are the estimator's parameters (``agentcredit describe NAME``); they are validated here, so a
     typo fails before any model is loaded. ``schedule`` names a registered distillation scheduler
     (``agentcredit list schedulers``; an unknown one is a ``ValueError`` listing them) with ``schedule_params``; it
-    adds :class:`distill_plugins.trl.DistillMixin` in front, with ``teacher`` (a model path / hub id, or ``"ema"``;
+    adds :class:`agentcredit.trl.distill.DistillMixin` in front, with ``teacher`` (a model path / hub id, or ``"ema"``;
     or pass ``teacher_model=`` to the trainer).
     """
     if base is None:
-        from trl import GRPOTrainer as base
+        base = grpo_trainer()
     check_trl(base)
     registry.get(credit).make_params(**credit_params)
     mixins: list[type] = [CreditMixin]
     attrs: dict[str, Any] = {"credit": credit, "credit_params": dict(credit_params), "__module__": __name__}
     if schedule is not None:
         registry.get(schedule, kind="schedulers").make_params(**dict(schedule_params or {}))
-        from distill_plugins.trl import DistillMixin
+        from .distill import DistillMixin
 
         mixins.insert(0, DistillMixin)
         attrs.update(schedule=schedule, schedule_params=dict(schedule_params or {}), teacher=teacher)

@@ -1,7 +1,7 @@
 """On-policy distillation mixed with RL inside TRL's ``GRPOTrainer``, driven by an agentcredit loss scheduler.
 
     from trl import GRPOTrainer
-    from credit_plugins.trl import make_trainer
+    from agentcredit.trl import make_trainer
 
     Trainer = make_trainer(GRPOTrainer, credit="gigpo", schedule="tide", teacher="runs/teacher")
     trainer = Trainer(model=..., args=GRPOConfig(...), rollout_func=..., reward_funcs=..., train_dataset=...)
@@ -63,7 +63,9 @@ from typing import Any
 
 import torch
 
-from . import losses
+from distill_plugins import losses
+
+from ._compat import checkpoint_folder
 
 __all__ = ["DistillMixin", "SCHEDULER_FILE", "EMA_FILE", "load_teacher", "check_same_vocabulary"]
 
@@ -104,7 +106,7 @@ def check_same_vocabulary(student, teacher, student_tokenizer=None, teacher_toke
 
 
 def load_teacher(teacher: Any, student, student_tokenizer=None, dtype: torch.dtype | None = None):
-    """The teacher module for ``teacher`` (a path / hub id / built-in name of :mod:`credit_plugins.models`, a loaded
+    """The teacher module for ``teacher`` (a path / hub id / built-in name of :mod:`agentcredit.models`, a loaded
     ``PreTrainedModel``, or ``"ema"``: a copy of ``student``'s weights), checked against the student's vocabulary."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
@@ -119,7 +121,7 @@ def load_teacher(teacher: Any, student, student_tokenizer=None, dtype: torch.dty
         model.load_state_dict({k: v.detach().float() for k, v in base.state_dict().items()})
         tok = None
     elif isinstance(teacher, (str, os.PathLike)):
-        from credit_plugins import models as local_models
+        from agentcredit import models as local_models
 
         path = local_models.resolve_model(str(teacher))
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
@@ -151,7 +153,7 @@ class _AfterOptimizerStep:
 class DistillMixin:
     """Put before the credit mixin and ``GRPOTrainer``: ``class T(DistillMixin, CreditMixin, GRPOTrainer)``.
 
-    Class attributes (or :func:`credit_plugins.trl.make_trainer` arguments): ``schedule`` (a registered scheduler,
+    Class attributes (or :func:`agentcredit.trl.make_trainer` arguments): ``schedule`` (a registered scheduler,
     ``agentcredit list schedulers``), ``schedule_params`` and ``teacher`` (see the module doc); ``teacher_model=``
     in ``__init__`` overrides ``teacher`` with a loaded model.
     """
@@ -270,7 +272,7 @@ class DistillMixin:
         lp_t, _, _ = self._get_per_token_logps_and_entropies(self._ac_teacher, ids, att, n_tok, batch_size=bs)
         bad = int((~torch.isfinite(lp_t) & mask).sum())
         if bad:
-            raise ValueError(f"teacher log-probs (distill_plugins.trl, schedule {self.schedule!r}) hold NaN/inf at "
+            raise ValueError(f"teacher log-probs (agentcredit.trl.distill, schedule {self.schedule!r}) hold NaN/inf at "
                              f"{bad} response token(s): the teacher model is broken (NaN weights?) or overflows in "
                              f"its dtype; load it in float32")
         lp_old = output.get("old_per_token_logps")
@@ -351,7 +353,7 @@ class DistillMixin:
         t_logits = t_logits.float() / self.temperature
         bad = int((~torch.isfinite(t_logits).all(-1) & mask).sum())
         if bad:
-            raise ValueError(f"teacher logits (distill_plugins.trl, schedule {self.schedule!r}) hold NaN/inf at {bad} "
+            raise ValueError(f"teacher logits (agentcredit.trl.distill, schedule {self.schedule!r}) hold NaN/inf at {bad} "
                              f"response position(s); load the teacher in float32")
         per_tok = self._ac_per_token(estimator, s_logits, t_logits, completion_ids, mask, out.params)
         normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
@@ -399,7 +401,7 @@ class DistillMixin:
         out = self._ac_sched.last_output
         if out is None or out.teacher_ema_decay is None or not self._ac_is_ema:
             return
-        from .schedulers.lsd import ema_update
+        from distill_plugins.schedulers.lsd import ema_update
 
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         base = self.accelerator.unwrap_model(base)
@@ -411,9 +413,7 @@ class DistillMixin:
         super()._save_checkpoint(model, trial)
         if not self.args.should_save:
             return
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        folder = checkpoint_folder(self, trial)
         torch.save({"schedule": self.schedule, "state": self._ac_sched.state_dict()},
                    os.path.join(folder, SCHEDULER_FILE))
         if self._ac_is_ema:

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .steptable import StepTable
+from credit_plugins.steptable import StepTable
 
 __all__ = ["choose_peers", "peer_prefix", "last_action", "PEER_HINDSIGHT_HEADER"]
 

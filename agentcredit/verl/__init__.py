@@ -1,9 +1,19 @@
-"""agentcredit's verl bridge. verl imports this module through the ``verl.plugins`` entry point.
+"""agentcredit's verl integration: everything that touches verl lives in this package.
 
-On import it registers every agentcredit estimator with ``verl.trainer.ppo.core_algos.register_adv_est`` (a name
-verl already has, such as ``grpo``, keeps verl's function), installs the lazy trainer hooks of
-:mod:`credit_plugins.verl.hooks`, and logs one WARNING line saying what it did (verl hides plugin-load errors at
-DEBUG level; ``VERL_USE_EXTERNAL_MODULES=credit_plugins.verl`` loads it loudly instead).
+verl imports this module through its ``verl.plugins`` entry point (``agentcredit = "agentcredit.verl"``) in every
+process. On import it
+
+* registers every agentcredit estimator with ``verl.trainer.ppo.core_algos.register_adv_est`` (a name verl already
+  has, such as ``grpo``, keeps verl's function) and installs the lazy trainer hooks of :mod:`.hooks` (advantage
+  metadata, estimator state in checkpoints);
+* installs the distillation hooks of :mod:`.distill` (loss modes, scheduler, scheduler state in checkpoints);
+* makes the agent loops ``agentcredit_env`` (:mod:`.agent_loop`), ``agentcredit_counterfactual`` and
+  ``agentcredit_tree`` (:mod:`.search_loops`) known by name as soon as verl's agent-loop module is imported (in the
+  agent-loop workers);
+
+and logs one WARNING line saying what it did (verl hides plugin-load errors at DEBUG level;
+``VERL_USE_EXTERNAL_MODULES=agentcredit.verl`` loads it loudly instead). The verl internals all of this relies on
+are checked in one place, :mod:`._compat`.
 
 Usage::
 
@@ -14,7 +24,7 @@ Usage::
 Hyperparameters live under ``algorithm.<estimator>.*`` (verl passes ``config=algorithm`` as a raw DictConfig).
 
 Metadata contract: the agent loop returns one ``AgentLoopOutput`` per step (v1 trainer), each with
-``extra_fields`` carrying the keys of :mod:`credit_plugins.verl.contract`::
+``extra_fields`` carrying the keys of :mod:`agentcredit.verl.contract`::
 
     extra_fields = {"step_idx": t, "anchor_key": canonical_obs, "action_key": parsed_action,
                     "step_reward": r_t, "success": won, "truncated": hit_step_limit}
@@ -28,8 +38,10 @@ from __future__ import annotations
 
 import logging
 
-from .. import registry
-from . import hooks
+from credit_plugins import registry
+
+from . import distill, hooks
+from ._compat import install_post_import_hooks
 from .adapter import make_verl_estimator
 
 logger = logging.getLogger("agentcredit")
@@ -52,9 +64,16 @@ def register_all() -> tuple[list[str], list[str]]:
     return registered, skipped
 
 
+def _register_agent_loops(_module) -> None:
+    from . import agent_loop  # noqa: F401  (its @register(...) runs on import; it imports the search loops)
+
+
 try:
     _registered, _skipped = register_all()
     hooks.install()
+    distill.install()
+    install_post_import_hooks({"verl.experimental.agent_loop.agent_loop": _register_agent_loops},
+                              "the agentcredit agent loops are not registered by name")
 except Exception:
     logger.exception("agentcredit: the verl plugin failed to load")
     raise

@@ -1,6 +1,6 @@
 """TRL rollouts that search: counterfactual decision tables for ASCT and branching trees for SIPO / AT²PO / TreeRL.
 
-Both are ``rollout_func`` s in the one-row-per-turn layout of :class:`env_adapters.trl.TurnRollout` and need an env
+Both are ``rollout_func`` s in the one-row-per-turn layout of :class:`agentcredit.trl.rollouts.TurnRollout` and need an env
 with ``snapshot()`` / ``restore()`` and ``legal_actions()`` (MiniGrid, Sokoban); any other env is refused when the
 rollout is built.
 
@@ -40,9 +40,9 @@ import torch
 
 from credit_plugins.hashing import stable_hash
 
-from .prompting import build_prompt, parse_action
-from .search import Node, decision_row, fork_starts, new_root, require_search_env
-from .trl import ACTION_PREFIX, TurnRollout, _chat_text, _cut, _eos_ids, _legal, compact_prompt
+from env_adapters.prompting import build_prompt, parse_action
+from env_adapters.search import Node, decision_row, fork_starts, new_root, require_search_env
+from .rollouts import ACTION_PREFIX, TurnRollout, _cut, _eos_ids, chat_text, compact_prompt, legal_actions
 
 __all__ = ["CounterfactualRollout", "TreeRollout", "require_search_env"]
 
@@ -62,7 +62,7 @@ class CounterfactualRollout(TurnRollout):
                  evaluator_options: dict | None = None, invalid_utility: float = 0.1, **kwargs: Any):
         super().__init__(env, env_options, **kwargs)
         require_search_env(self._pool[0], "CounterfactualRollout (ASCT)")
-        from .counterfactual import CounterfactualEvaluator
+        from env_adapters.counterfactual import CounterfactualEvaluator
 
         n_legal = len(self._pool[0].legal_actions())
         if budget < n_legal:
@@ -75,7 +75,7 @@ class CounterfactualRollout(TurnRollout):
 
     def _before_step(self, model, tokenizer, trainer):
         from credit_plugins.estimators.asct import legal_probs
-        from credit_plugins.privileged import score_tokens
+        from agentcredit.trl.privileged import score_tokens
 
         temperature = float(getattr(trainer.args, "temperature", 1.0) or 1.0)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -298,10 +298,10 @@ class _Generator:
     def turns(self, envs, observations) -> list[tuple[list[int], list[int], str, float]]:
         texts = []
         for env, obs in zip(envs, observations):
-            task, legal = getattr(env, "task", ""), _legal(env)
+            task, legal = getattr(env, "task", ""), legal_actions(env)
             user = (compact_prompt(task, obs, legal) if self.prompt == "compact"
                     else build_prompt(task, [], obs, legal, self.history_length))
-            texts.append(_chat_text(self.tok, user, self.system))
+            texts.append(chat_text(self.tok, user, self.system))
         prompts = [self.tok(x, add_special_tokens=False)["input_ids"] for x in texts]
         out: list[Any] = [None] * len(prompts)
         device = next(self.model.parameters()).device

@@ -1,7 +1,7 @@
 """verl agent loops that search: ASCT's counterfactual decision table and SIPO / AT²PO / TreeRL trees (verl 0.9.1).
 
 Importing this module registers two loops with verl's agent-loop registry (select them as ``agentcredit_env`` is
-selected, see :mod:`env_adapters.verl`; recipes: ``recipes/verl/sokoban_asct.yaml``, ``sokoban_sipo.yaml``):
+selected, see :mod:`agentcredit.verl.agent_loop`; recipes: ``recipes/verl/sokoban_asct.yaml``, ``sokoban_sipo.yaml``):
 
 * ``agentcredit_counterfactual`` (:class:`CounterfactualAgentLoop`): ``agentcredit_env`` plus, at every step, the
   decision table ASCT reads (``extra_fields``): ``q`` and ``visits`` from
@@ -10,7 +10,7 @@ selected, see :mod:`env_adapters.verl`; recipes: ``recipes/verl/sokoban_asct.yam
   probabilities over the legal labels need the log-prob of each label's answer under the prompt; verl's agent-loop
   server API (``LLMServerClient.generate``) returns log-probs of *sampled* tokens only, so this loop uses the
   uniform baseline ``p = 1/|A(s)|`` [R] (ASCT's ablation; it differs from the actor baseline only at decisions with
-  three or more actions, CREDIT.md §7.4). The TRL rollout (``env_adapters.trl_search.CounterfactualRollout``) uses
+  three or more actions, CREDIT.md §7.4). The TRL rollout (``agentcredit.trl.search_rollouts.CounterfactualRollout``) uses
   the actor's probabilities. An invalid answer gets the extra "invalid" column as in the TRL rollout.
 * ``agentcredit_tree`` (:class:`TreeAgentLoop`): one search tree per sample (``rollout.n`` must be 1: the tree's
   ``initial`` chains are the group), grown with :func:`env_adapters.search.fork_starts`; the chains of one
@@ -30,9 +30,10 @@ from uuid import uuid4
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput, register
 
-from .prompting import build_prompt, parse_action
-from .search import Node, decision_row, fork_starts, new_root, require_search_env
-from .verl import EnvAgentLoop, _plain, _sample_field
+from env_adapters.prompting import build_prompt, parse_action
+from env_adapters.search import Node, decision_row, fork_starts, new_root, require_search_env
+
+from .agent_loop import EnvAgentLoop, _plain, _sample_field
 
 __all__ = ["CounterfactualAgentLoop", "TreeAgentLoop"]
 
@@ -49,7 +50,7 @@ class CounterfactualAgentLoop(EnvAgentLoop):
     def __init__(self, *args, evaluator: str = "uniform", budget: int = 12,
                  evaluator_options: Mapping[str, Any] | None = None, invalid_utility: float = 0.1, **kwargs):
         super().__init__(*args, **kwargs)
-        from .counterfactual import CounterfactualEvaluator
+        from env_adapters.counterfactual import CounterfactualEvaluator
 
         options = {"max_depth": self.max_steps, "cost_norm": float(self.max_steps), **dict(evaluator_options or {})}
         self.evaluator = CounterfactualEvaluator(kind=evaluator, budget=int(budget), **options)
@@ -67,7 +68,7 @@ class TreeAgentLoop(EnvAgentLoop):
     """One AT²PO / SIPO search tree per sample (see the module doc).
 
     Args (beyond EnvAgentLoop's): ``initial``, ``iterations``, ``beam``, ``branches``, ``criterion`` (host | sfc),
-    ``alpha``, ``lam`` (as :class:`env_adapters.trl_search.TreeRollout`).
+    ``alpha``, ``lam`` (as :class:`agentcredit.trl.search_rollouts.TreeRollout`).
     """
 
     def __init__(self, *args, initial: int = 4, iterations: int = 1, beam: int = 2, branches: int = 2,

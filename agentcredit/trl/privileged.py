@@ -2,12 +2,12 @@
 
 UniOPSD and AlignOPSD (``DISTILL.md`` §7, §8) credit a failed trajectory's tokens by how much more likely the
 *same* policy finds them once it is told how a successful sibling solved the task. This module computes what they
-read, for a TRL generation batch in the one-row-per-turn layout (``env_adapters.trl.TurnRollout``):
+read, for a TRL generation batch in the one-row-per-turn layout (``agentcredit.trl.rollouts.TurnRollout``):
 
-* the peer of each trajectory: :func:`credit_plugins.hindsight.choose_peers` (the first successful trajectory of
+* the peer of each trajectory: :func:`agentcredit.trl.hindsight.choose_peers` (the first successful trajectory of
   its group by the rollout's success flag, or UniOPSD's ``peer_success_threshold`` on the return; successes and all-fail groups get none);
 * the hindsight prompt of each row of a trajectory with a peer: the peer's action sequence
-  (:func:`credit_plugins.hindsight.peer_prefix`) inserted at the start of the row's **last user message** (after
+  (:func:`agentcredit.trl.hindsight.peer_prefix`) inserted at the start of the row's **last user message** (after
   ``<|im_start|>user\\n``; at the very start when the template has no such marker). [R] The authors' code prepends
   the prefix to the decoded prompt text; with a chat template that would put it before the system turn;
 * ``logp_old`` / ``logp_teacher`` ``[B, T]``: log-probs of the sampled response tokens under the row's own prompt and
@@ -32,8 +32,10 @@ from typing import Any
 
 import torch
 
+from credit_plugins import registry
+from credit_plugins.steptable import StepTable
+
 from .hindsight import choose_peers, last_action, peer_prefix
-from .steptable import StepTable
 
 __all__ = ["insert_prefix", "score_tokens", "hindsight_extras", "USER_MARKER"]
 
@@ -99,7 +101,11 @@ def _row_prompts(output: dict[str, torch.Tensor]) -> list[list[int]]:
 
 def hindsight_extras(trainer, output: dict[str, Any], steps: StepTable, local_rows: Sequence[int],
                      estimator: str, params: Any) -> dict[str, torch.Tensor]:
-    """The token-level extras of ``estimator`` (``"uniopsd"`` or ``"alignopsd"``) for the rows of ``steps``.
+    """The ``hindsight`` extras that the registered estimator ``estimator`` declares (``Estimator.extras``), for the
+    rows of ``steps``: always ``logp_old``, ``logp_teacher``, ``response_mask``; the pooled hidden states
+    ``emb_student`` / ``emb_teacher`` when it reads them, and the cross-scored sibling turns ``logp_cross`` /
+    ``cross_src`` (sources chosen by AlignOPSD's ``select_sources``, the only estimator that reads them) when it reads
+    those.
 
     ``steps`` holds the batch's step rows (input order = ``local_rows``: row ``j`` of the table is row
     ``local_rows[j]`` of ``output``); one process. Returns extras in the table's input order, plus
@@ -145,27 +151,30 @@ def hindsight_extras(trainer, output: dict[str, Any], steps: StepTable, local_ro
         teacher_prompts[j] = tok(insert_prefix(text, prefix_of[int(row_traj[j])]), add_special_tokens=False)["input_ids"]
         grown += len(teacher_prompts[j]) - len(student_prompts[j])
 
-    align = estimator == "alignopsd"
+    declared = registry.get(estimator)
+    with_hidden = declared.reads("emb_teacher") or declared.reads("emb_student")
+    cross = declared.reads("logp_cross")
     was_training = model.training
     model.eval()
     try:
         logp_old, emb_s = score_tokens(model, student_prompts, completion_ids, completion_mask, temperature=temperature,
-                                     batch_size=batch_size, pad_id=pad, with_hidden=align)
+                                     batch_size=batch_size, pad_id=pad, with_hidden=with_hidden)
         logp_teacher, emb_t = logp_old.clone(), None if emb_s is None else emb_s.clone()
         if taught:
             idx = torch.tensor(taught)
             lp_tau, emb_tau = score_tokens(model, [teacher_prompts[j] for j in taught], completion_ids[idx],
                                            completion_mask[idx], temperature=temperature, batch_size=batch_size,
-                                           pad_id=pad, with_hidden=align)
+                                           pad_id=pad, with_hidden=with_hidden)
             logp_teacher[idx] = lp_tau
-            if align and emb_t is not None and emb_tau is not None:
+            if with_hidden and emb_t is not None and emb_tau is not None:
                 emb_t[idx] = emb_tau
         extras: dict[str, Any] = {"logp_old": logp_old, "logp_teacher": logp_teacher, "response_mask": completion_mask.float()}
         n_pairs = 0
-        if align:
-            from .estimators import alignopsd
-
+        if with_hidden:
             extras.update(emb_student=emb_s, emb_teacher=emb_t)
+        if cross:
+            from credit_plugins.estimators import alignopsd
+
             src, _ = alignopsd.select_sources(steps.with_extras(extras), params)
             pairs = (src >= 0).nonzero().tolist()
             n_pairs = len(pairs)

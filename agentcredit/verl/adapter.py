@@ -1,7 +1,7 @@
 """The functions verl calls: one per agentcredit estimator, with verl's advantage-estimator signature.
 
 ``compute_advantage`` calls ``fn(token_level_rewards, response_mask, index, config)``; the step metadata is not in
-those arguments. The trainer hooks (:mod:`credit_plugins.verl.hooks`) publish it for the duration of the call in
+those arguments. The trainer hooks (:mod:`agentcredit.verl.hooks`) publish it for the duration of the call in
 the context variable :data:`CURRENT`, aligned with the batch rows. If a future verl forwards ``non_tensor_batch``
 (verl-project/verl#7473) it is read from there.
 """
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..estimator import Estimator
+from credit_plugins.estimator import Estimator
 from .contract import RowMeta, build_step_table, missing_fields_message
 
 CURRENT: contextvars.ContextVar[RowMeta | None] = contextvars.ContextVar("agentcredit_row_meta", default=None)
@@ -94,25 +94,27 @@ def make_verl_estimator(estimator: Estimator):
                 config: Any = None, non_tensor_batch: Mapping[str, np.ndarray] | None = None, **_: Any):
         params = estimator_params(config, estimator.name)
         p = estimator.make_params(**params)  # fail on a typo before touching the batch
-        if "logp_teacher" in estimator.requires:
+        if "hindsight" in estimator.sources():
             raise ValueError(HINDSIGHT_ON_VERL.format(name=estimator.name))
         meta = CURRENT.get()
         if meta is None and non_tensor_batch is not None:
             meta = RowMeta.from_non_tensor_batch(non_tensor_batch)
         if meta is None:
             raise ValueError(missing_fields_message(estimator.name, ["step_idx", "anchor_key", "traj_uid"]) +
-                             " (no agentcredit metadata reached the estimator: is credit_plugins.verl loaded in the "
-                             "trainer process? set VERL_USE_EXTERNAL_MODULES=credit_plugins.verl to see why not)")
+                             " (no agentcredit metadata reached the estimator: is agentcredit.verl loaded in the "
+                             "trainer process? set VERL_USE_EXTERNAL_MODULES=agentcredit.verl to see why not)")
         if index is None:
             raise ValueError("verl passed no `index` (uid) to the estimator; the batch needs a 'uid' column")
-        extras = tuple(getattr(estimator.params, "VERL_EXTRAS", ()))
-        extras += tuple(e for e in getattr(estimator.params, "VERL_OPTIONAL_EXTRAS", ()) if e in meta.columns)
+        extras = estimator.extra_names(required=True)
+        extras += tuple(e for e in estimator.extra_names(required=False) if e in meta.columns)
         steps, keep = build_step_table(meta, token_level_rewards, index, estimator.requires, estimator.name, extras)
+        stats: Mapping[str, Any] = {}
         if getattr(estimator, "stateful", None) is not None:
             est = instance_for(estimator, p)
             if estimator.name in PENDING:
                 est.load_state_dict(PENDING.pop(estimator.name))
             per_step = est(steps)
+            stats = getattr(est, "stats", None) or {}
         else:
             per_step = estimator(steps, **vars(p))
         scores = torch.zeros(token_level_rewards.shape[0], dtype=torch.float32)
@@ -124,6 +126,9 @@ def make_verl_estimator(estimator: Estimator):
             "agentcredit/adv_mean": float(per_step.mean()) if steps.n_steps else 0.0,
             "agentcredit/adv_abs_mean": float(per_step.abs().mean()) if steps.n_steps else 0.0,
         })
+        # a stateful estimator's statistics (MVPO's kappa and route fractions, SIPO's a2, ...), as TRL logs them
+        meta.stats.update({f"agentcredit/{k}": float(v) for k, v in stats.items()
+                           if isinstance(v, (int, float)) and v == v})
         adv = scores.to(response_mask.device).unsqueeze(-1) * response_mask
         return adv, adv
 

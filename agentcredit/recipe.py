@@ -45,15 +45,11 @@ __all__ = ["Recipe", "AgentCreditConfig", "EvalConfig", "RecipeError", "load_rec
            "BRIDGES", "PROMPT_STYLES", "parse_overrides", "apply_overrides", "check_seed_budget"]
 
 BRIDGES = ("rollout_func", "environment_factory")
-#: ``agentcredit.rollout``: what the rollout_func bridge plays (env_adapters.trl / env_adapters.trl_search)
+#: ``agentcredit.rollout``: what the rollout_func bridge plays (agentcredit.trl.rollouts / agentcredit.trl.search_rollouts)
 ROLLOUTS = {"turns": "TurnRollout", "counterfactual": "CounterfactualRollout", "tree": "TreeRollout"}
-#: the rollout an estimator's extras come from (by a field it requires)
-_ROLLOUT_OF_FIELD = {"legal_p": "counterfactual", "parent": "tree"}
 PROMPT_STYLES = ("compact", "verl-agent")
 _LORA_KEYS = {"r": "r", "alpha": "lora_alpha", "dropout": "lora_dropout", "target_modules": "target_modules",
               "bias": "bias", "modules_to_save": "modules_to_save", "use_rslora": "use_rslora", "use_dora": "use_dora"}
-# keys the agentcredit block derives; a recipe may set them only to the derived value
-_DERIVED = ("num_generations", "generation_batch_size", "gradient_accumulation_steps", "steps_per_generation")
 
 
 class RecipeError(ValueError):
@@ -131,9 +127,9 @@ class Recipe:
 
     def grpo_config(self, **changes: Any):
         """A ``trl.GRPOConfig`` from :attr:`trl_args` (``changes`` win, e.g. ``max_steps=2``)."""
-        from trl import GRPOConfig
+        from agentcredit.trl import grpo_config
 
-        return GRPOConfig(**{**self.trl_args, **changes})
+        return grpo_config()(**{**self.trl_args, **changes})
 
     @property
     def name(self) -> str:
@@ -144,16 +140,16 @@ class Recipe:
 @lru_cache(maxsize=1)
 def _trl_fields() -> tuple[frozenset[str], frozenset[str]]:
     """Field names of ``trl.GRPOConfig`` and ``trl.ModelConfig``."""
-    from trl import GRPOConfig, ModelConfig
+    from agentcredit.trl import grpo_config, model_config
 
-    return (frozenset(f.name for f in dataclasses.fields(GRPOConfig)),
-            frozenset(f.name for f in dataclasses.fields(ModelConfig)))
+    return (frozenset(f.name for f in dataclasses.fields(grpo_config())),
+            frozenset(f.name for f in dataclasses.fields(model_config())))
 
 
 def _trl_default(name: str) -> Any:
-    from trl import GRPOConfig
+    from agentcredit.trl import grpo_config
 
-    return {f.name: f.default for f in dataclasses.fields(GRPOConfig)}[name]
+    return {f.name: f.default for f in dataclasses.fields(grpo_config())}[name]
 
 
 def _suggest(key: str, valid) -> str:
@@ -312,7 +308,7 @@ def _seed_range(name: str, value: Any) -> list[int]:
 
 
 def _agentcredit(block: Any, model_args: dict[str, Any], build_env: bool) -> AgentCreditConfig:
-    from . import registry
+    from credit_plugins import registry
 
     if not isinstance(block, dict):
         raise RecipeError(f"agentcredit must be a mapping of keys, got {block!r}")
@@ -427,7 +423,7 @@ def rollout_class(name: str) -> type:
     """The rollout_func class of ``agentcredit.rollout``."""
     import importlib
 
-    module = "env_adapters.trl" if name == "turns" else "env_adapters.trl_search"
+    module = "agentcredit.trl.rollouts" if name == "turns" else "agentcredit.trl.search_rollouts"
     return getattr(importlib.import_module(module), ROLLOUTS[name])
 
 
@@ -451,7 +447,7 @@ def _check_rollout(ac: AgentCreditConfig, estimator) -> None:
     for key in ac.rollout_options:
         if key not in valid:
             raise _unknown_key(f"agentcredit.rollout_options (rollout {ac.rollout!r})", key, valid)
-    need = {_ROLLOUT_OF_FIELD[f] for f in estimator.requires if f in _ROLLOUT_OF_FIELD}
+    need = estimator.sources() & {"counterfactual", "tree"}  # the search rollouts (Estimator.extras)
     if need and ac.rollout not in need:
         raise RecipeError(f"agentcredit.credit={ac.credit!r} reads the extras of the {sorted(need)[0]!r} rollout; set "
                           f"agentcredit.rollout: {sorted(need)[0]}")

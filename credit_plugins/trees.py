@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..segments import segment_sum
-from ..steptable import StepTable
+from .segments import segment_sum
+from .steptable import StepTable
 
 __all__ = ["Forest", "build_forest", "forest_from_parents", "leaf_zscore", "child_weights", "blom", "host_scores",
            "sfc_scores", "select_top_k", "CHILD_WEIGHTS", "ROOT"]

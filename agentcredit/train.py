@@ -1,8 +1,8 @@
-"""``agentcredit train``: run a TRL recipe (:mod:`credit_plugins.recipe`) with TRL's own ``GRPOTrainer``.
+"""``agentcredit train``: run a TRL recipe (:mod:`agentcredit.recipe`) with TRL's own ``GRPOTrainer``.
 
 Nothing here is a trainer: :func:`run` loads the model, builds the environment bridge from the recipe's
-``agentcredit:`` block (``env_adapters.trl``, resolved at run time like a plugin path), composes
-``credit_plugins.trl.make_trainer(GRPOTrainer, credit=...)`` and calls ``trainer.train()``. Around it: a held-out
+``agentcredit:`` block (``agentcredit.trl.rollouts``, resolved at run time like a plugin path), composes
+``agentcredit.trl.make_trainer(GRPOTrainer, credit=...)`` and calls ``trainer.train()``. Around it: a held-out
 evaluation before and after (success with its 95 % interval and the valid-action rate), ``metrics.jsonl``,
 ``summary.json`` and ``learning_curve.png`` in the run's ``output_dir``.
 """
@@ -10,7 +10,6 @@ evaluation before and after (success with its 95 % interval and the valid-action
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import json
 import os
@@ -23,10 +22,7 @@ from typing import Any
 from . import models
 from .recipe import Recipe, RecipeError, check_seed_budget, grpo_config_error
 
-__all__ = ["run", "RunResult", "train_seeds", "load_bridge", "format_eval_table"]
-
-BRIDGE_MODULE = "env_adapters.trl"
-
+__all__ = ["run", "RunResult", "train_seeds", "format_eval_table"]
 
 @dataclass
 class RunResult:
@@ -42,25 +38,6 @@ class RunResult:
     summary_path: str = ""
     png_path: str = ""
     summary: dict[str, Any] = field(default_factory=dict)
-
-
-def load_bridge(module: str = BRIDGE_MODULE):
-    """Import the TRL environment bridge (``env_adapters.trl``) by name; a clear ``ImportError`` when it is missing."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise ImportError(f"agentcredit train needs the TRL environment bridge {module!r} (TurnRollout, "
-                          f"environment_factory, evaluate), which could not be imported: {e}. It ships with the "
-                          f"agentcredit distribution (env_adapters); install it with pip install agentcredit[trl]"
-                          ) from e
-
-
-def _load_credit_bridge():
-    try:
-        return importlib.import_module("credit_plugins.trl")
-    except ImportError as e:
-        raise ImportError(f"agentcredit train needs credit_plugins.trl (make_trainer) and TRL: {e}; "
-                          f"pip install agentcredit[trl]") from e
 
 
 def train_seeds(recipe: Recipe, max_steps: int, seed: int) -> list[int]:
@@ -190,11 +167,9 @@ def run(recipe: Recipe, max_steps: int | None = None, eval: bool = True) -> RunR
     if not os.environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(os.cpu_count() or 1)
 
-    bridge = load_bridge()
-    credit_trl = _load_credit_bridge()
-    from trl import GRPOTrainer
-
-    from .trl_logging import MetricsCallback, plot_learning_curve
+    from .trl import grpo_trainer, make_trainer
+    from .trl import rollouts as bridge
+    from .trl.callbacks import MetricsCallback, plot_learning_curve
 
     ac = recipe.agentcredit
     changes = {}
@@ -250,7 +225,7 @@ def run(recipe: Recipe, max_steps: int | None = None, eval: bool = True) -> RunR
     distill = {}
     if ac.schedule is not None:
         distill = {"schedule_params": dict(ac.schedule_params), "teacher": ac.teacher}
-    trainer_cls = credit_trl.make_trainer(GRPOTrainer, credit=ac.credit, schedule=ac.schedule, **distill,
+    trainer_cls = make_trainer(grpo_trainer(), credit=ac.credit, schedule=ac.schedule, **distill,
                                           **ac.credit_params)
     metrics_cb = MetricsCallback(out_dir / "metrics.jsonl")
     trainer = trainer_cls(model=model, processing_class=tokenizer, args=config, train_dataset=dataset,

@@ -1,8 +1,7 @@
 """agentcredit's on-policy-distillation bridge to verl 0.9.1 (DISTILL §2.2 estimators, §4/§6/§11 schedules).
 
-verl imports this module through the ``verl.plugins`` entry point ``agentcredit_distill`` (``pyproject.toml``;
-``VERL_USE_EXTERNAL_MODULES=distill_plugins.verl`` loads it loudly instead, since verl hides plugin errors). Importing
-it only registers post-import hooks (``wrapt``); ``import distill_plugins`` never imports verl. When verl imports
+:mod:`agentcredit.verl` calls :func:`install` when verl loads its ``verl.plugins`` entry point; that only registers
+post-import hooks (``wrapt``); ``import distill_plugins`` never imports verl. When verl imports
 
 * ``verl.trainer.distillation.losses``: the losses below are added to verl's distillation-loss registry
   (``register_distillation_loss``), verl's ``compute_topk_loss`` (the logits-processor stage) and its
@@ -76,21 +75,18 @@ Keys written to ``batch.extra_info``: ``agentcredit_step`` (int), ``agentcredit_
 from __future__ import annotations
 
 import copy
-import functools
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from credit_plugins.post_import import install_post_import_hooks
+from distill_plugins import losses as L
 
-from . import losses as L
+from ._compat import check_signature, checkpoint_wraps, install_post_import_hooks, wraps_once
 
 logger = logging.getLogger("agentcredit")
 
-PREFIX = "agentcredit_"
 CONFIG_KEY = "agentcredit_distill"
 STEP_KEY, W_OPD_KEY, W_RL_KEY, PARAMS_KEY = ("agentcredit_step", "agentcredit_w_opd", "agentcredit_w_rl",
                                              "agentcredit_loss_params")
@@ -127,7 +123,7 @@ def batch_weights(data) -> tuple[float, float, dict[str, Any]]:
     w_opd, w_rl = _nt(data, W_OPD_KEY), _nt(data, W_RL_KEY)
     if w_opd is None:
         _warn_once("no-weights", "agentcredit: no scheduler weights reached the distillation loss (needs the v1 "
-                   "trainer and distill_plugins.verl loaded in the trainer process); using w_opd = w_rl = 1")
+                   "trainer and agentcredit.verl.distill loaded in the trainer process); using w_opd = w_rl = 1")
     params = dict(LOSS_PARAMS)
     params.update(_nt(data, PARAMS_KEY, None) or {})
     return (1.0 if w_opd is None else float(w_opd)), (1.0 if w_rl is None else float(w_rl)), params
@@ -315,26 +311,21 @@ def _topk_loss(config, distillation_config, model_output, data):
 
 
 # ---- wraps of verl's distillation module ----------------------------------------------------------------------------
+@wraps_once("distill", "compute_topk_loss",
+            ("config", "distillation_config", "data", "student_logits", "data_format"))
 def _wrap_compute_topk_loss(orig):
-    if getattr(orig, "_agentcredit_distill", False):
-        return orig
-
-    @functools.wraps(orig)
     def compute_topk_loss(config, distillation_config, data, student_logits, data_format):
         if _is_ours(distillation_config.distillation_loss.loss_mode):
             return _topk_logits_stage(config, distillation_config, data, student_logits)
         return orig(config, distillation_config, data, student_logits, data_format)
 
-    compute_topk_loss._agentcredit_distill = True
     return compute_topk_loss
 
 
+@wraps_once("distill", "ppo_loss", ("config", "model_output", "data"))
 def _wrap_ppo_loss(orig):
     """verl's ``ppo_loss`` as ``distillation_ppo_loss`` sees it: scaled by ``w_rl`` when our weights are present."""
-    if getattr(orig, "_agentcredit_distill", False):
-        return orig
 
-    @functools.wraps(orig)
     def ppo_loss(config, model_output, data, dp_group=None):
         loss, metrics = orig(config, model_output, data, dp_group)
         w_rl = _nt(data, W_RL_KEY)
@@ -343,26 +334,16 @@ def _wrap_ppo_loss(orig):
         metrics["distillation/agentcredit_w_rl"] = float(w_rl)
         return loss * float(w_rl), metrics
 
-    ppo_loss._agentcredit_distill = True
     return ppo_loss
-
-
-def _check_signature(obj, what: str, params: tuple[str, ...]) -> None:
-    import inspect
-
-    names = list(inspect.signature(obj).parameters) if obj is not None else None
-    if names is None or names[: len(params)] != list(params):
-        raise RuntimeError(f"agentcredit: verl's {what} takes {names}, expected the first to be {list(params)}; "
-                           f"distill_plugins.verl supports verl>=0.9.1,<0.10")
 
 
 def register_losses(module) -> list[str]:
     """Register our loss modes with verl's registry in ``module`` (``verl.trainer.distillation.losses``) and wrap
     its ``compute_topk_loss`` / ``ppo_loss``; names already registered to our functions are kept. Returns the names
     registered now."""
-    _check_signature(module.compute_topk_loss, "compute_topk_loss",
-                     ("config", "distillation_config", "data", "student_logits", "data_format"))
-    _check_signature(module.ppo_loss, "ppo_loss", ("config", "model_output", "data"))
+    check_signature(module.compute_topk_loss, "compute_topk_loss",
+                    ("config", "distillation_config", "data", "student_logits", "data_format"))
+    check_signature(module.ppo_loss, "ppo_loss", ("config", "model_output", "data"))
     new = []
     for names, fn, flags in ((ESTIMATOR_LOSSES, _estimator_loss, {"use_estimator": True}),
                              (TOPK_LOSSES, _topk_loss, {"use_topk": True})):
@@ -481,25 +462,9 @@ def schedule_step(trainer, batch, metrics: dict, tq=None) -> dict[str, Any] | No
     return {STEP_KEY: step, W_OPD_KEY: float(out.w_opd), W_RL_KEY: float(out.w_rl), PARAMS_KEY: params}
 
 
-def _marked(build):
-    @functools.wraps(build)
-    def wrap(orig):
-        if orig is None:
-            raise RuntimeError("agentcredit: verl's v1 PPOTrainer lacks a method distill_plugins.verl wraps; it "
-                               "supports verl>=0.9.1,<0.10")
-        if getattr(orig, "_agentcredit_distill", False):
-            return orig
-        wrapped = functools.wraps(orig)(build(orig))
-        wrapped._agentcredit_distill = True
-        return wrapped
-
-    return wrap
-
-
-@_marked
+@wraps_once("distill", "PPOTrainer._update_actor(self, batch, metrics)", ("self", "batch", "metrics"))
 def wrap_update_actor(orig):
     """``PPOTrainer._update_actor(self, batch, metrics)``: schedule, then write step and weights to extra_info."""
-    _check_signature(orig, "PPOTrainer._update_actor", ("self", "batch", "metrics"))
 
     def _update_actor(self, batch, metrics):
         import transfer_queue as tq
@@ -512,45 +477,21 @@ def wrap_update_actor(orig):
     return _update_actor
 
 
-def _checkpoint_folder(trainer) -> str | None:
-    """The ``global_step_N`` folder verl just saved to or resumed from (as credit_plugins.verl.hooks)."""
-    cfg = trainer.config.trainer
-    if getattr(trainer, "global_steps", 0) <= 0:
-        return None
-    resume_path = cfg.get("resume_from_path", None)
-    if cfg.get("resume_mode", "auto") == "resume_path" and resume_path:
-        return resume_path
-    return os.path.join(cfg.default_local_dir, f"global_step_{trainer.global_steps}")
+def _scheduler_state():
+    sched = SCHEDULER.get("instance")
+    return None if sched is None else sched.state_dict()
 
 
-@_marked
-def wrap_save_checkpoint(orig):
-    def _save_checkpoint(self, *args, **kwargs):
-        out = orig(self, *args, **kwargs)
-        folder = _checkpoint_folder(self)
-        if SCHEDULER.get("instance") is not None and folder is not None and os.path.isdir(folder):
-            torch.save(SCHEDULER["instance"].state_dict(), os.path.join(folder, STATE_FILE))
-        return out
-
-    return _save_checkpoint
+def _restore(state, path: str) -> None:
+    if SCHEDULER.get("instance") is not None:
+        SCHEDULER["instance"].load_state_dict(state)
+    else:
+        PENDING["state"] = state
+    logger.warning("agentcredit: restored the %r scheduler state from %s", state.get("scheduler"), path)
 
 
-@_marked
-def wrap_load_checkpoint(orig):
-    def _load_checkpoint(self, *args, **kwargs):
-        out = orig(self, *args, **kwargs)
-        folder = _checkpoint_folder(self)
-        path = None if folder is None else os.path.join(folder, STATE_FILE)
-        if path is not None and os.path.exists(path):
-            state = torch.load(path, weights_only=False)
-            if SCHEDULER.get("instance") is not None:
-                SCHEDULER["instance"].load_state_dict(state)
-            else:
-                PENDING["state"] = state
-            logger.warning("agentcredit: restored the %r scheduler state from %s", state.get("scheduler"), path)
-        return out
-
-    return _load_checkpoint
+#: after verl saves / resumes a checkpoint, the scheduler's ``state_dict()`` is saved / restored beside it
+wrap_save_checkpoint, wrap_load_checkpoint = checkpoint_wraps("distill", STATE_FILE, _scheduler_state, _restore)
 
 
 def _patch_v1_trainer(module) -> None:
@@ -569,6 +510,3 @@ TARGETS = {
 def install() -> None:
     """Register the post-import hooks (they run at once for modules already imported)."""
     install_post_import_hooks(TARGETS, "the agentcredit distillation losses and schedules are not available")
-
-
-install()

@@ -37,14 +37,14 @@ import torch
 
 from credit_plugins.hashing import stable_hash
 
-from .prompting import build_prompt, parse_action
+from env_adapters.prompting import build_prompt, parse_action
 
 __all__ = ["TurnRollout", "play_episodes", "evaluate", "EvalResult", "Episode", "TurnRecord",
            "environment_factory", "compact_prompt", "wilson_interval", "ACTION_PREFIX", "EPISODE_PROMPT"]
 
 #: the forced start of every assistant turn (an env token: part of the prompt ids)
 ACTION_PREFIX = "<action>"
-_STOP = "</action>"
+ACTION_STOP = "</action>"
 #: dataset prompts of :meth:`TurnRollout.dataset`
 EPISODE_PROMPT = "agentcredit-episode seed={seed}"
 _EPISODE_RE = re.compile(r"^agentcredit-episode seed=(-?\d+|None)$")
@@ -52,7 +52,8 @@ _FACTORY_PROMPT = "Play the game. Call one tool per turn."
 
 
 # ---- prompts --------------------------------------------------------------------------------------------------------
-def _legal(env) -> list[str] | None:
+def legal_actions(env) -> list[str] | None:
+    """``env.legal_actions()`` as a list, or None for an env without that method."""
     fn = getattr(env, "legal_actions", None)
     return list(fn()) if callable(fn) else None
 
@@ -67,7 +68,8 @@ def compact_prompt(task: str, observation: str, legal: Sequence[str] | None) -> 
     return "\n".join(lines)
 
 
-def _chat_text(tokenizer, user: str, system: str | None) -> str:
+def chat_text(tokenizer, user: str, system: str | None) -> str:
+    """One turn's prompt text: the chat template over ``system`` and ``user``, ending in ``<action>``."""
     messages = ([{"role": "system", "content": system}] if system is not None else []) + \
         [{"role": "user", "content": user}]
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) + ACTION_PREFIX
@@ -121,9 +123,9 @@ def _cut(tokenizer, ids: list[int], eos: set[int], pad: int | None) -> tuple[lis
     first), without the pad tokens ``generate`` appends to finished rows; and their text."""
     end = next((k + 1 for k, tok in enumerate(ids) if tok in eos), len(ids))
     head = ids[:end]
-    if _STOP in tokenizer.decode(head, skip_special_tokens=True):
+    if ACTION_STOP in tokenizer.decode(head, skip_special_tokens=True):
         end = next(k for k in range(1, len(head) + 1)
-                   if _STOP in tokenizer.decode(head[:k], skip_special_tokens=True))
+                   if ACTION_STOP in tokenizer.decode(head[:k], skip_special_tokens=True))
     elif end == len(ids) and pad is not None:
         while end > 1 and ids[end - 1] == pad:
             end -= 1
@@ -177,7 +179,7 @@ def play_episodes(model, tokenizer, specs: Sequence[tuple[Any, int | None]], *, 
     eos = _eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     kw: dict[str, Any] = dict(max_new_tokens=int(max_new_tokens), pad_token_id=pad, eos_token_id=eos,
-                              stop_strings=[_STOP], use_cache=True)
+                              stop_strings=[ACTION_STOP], use_cache=True)
     if greedy:
         kw.update(do_sample=False)
     else:
@@ -200,10 +202,10 @@ def play_episodes(model, tokenizer, specs: Sequence[tuple[Any, int | None]], *, 
                 texts = []
                 for i in live:
                     env = specs[i][0]
-                    task, legal = getattr(env, "task", ""), _legal(env)
+                    task, legal = getattr(env, "task", ""), legal_actions(env)
                     user = (compact_prompt(task, obs[i], legal) if prompt == "compact"
                             else build_prompt(task, history[i], obs[i], legal, history_length))
-                    texts.append(_chat_text(tokenizer, user, system))
+                    texts.append(chat_text(tokenizer, user, system))
                 prompt_ids = [tokenizer(x, add_special_tokens=False)["input_ids"] for x in texts]
                 outs = _generate(model, tokenizer, prompt_ids, gen_config, set(eos), pad, batch_size)
                 turn_extras = [{} for _ in live]
@@ -500,7 +502,7 @@ def environment_factory(env: str, **env_options) -> type:
     def _describe(self, observation: str, first: bool = False) -> str:
         parts = [getattr(self._env, "task", "").strip()] if first else []
         parts.append(observation)
-        acts = _legal(self._env)
+        acts = legal_actions(self._env)
         if acts:
             parts.append(("Tools: " + ", ".join(_tool_name(a) for a in acts)) if fixed
                          else ("Admissible commands: " + ", ".join(acts)))
@@ -550,7 +552,7 @@ def environment_factory(env: str, **env_options) -> type:
                              "_describe": _describe, "dataset": dataset, "env_name": env,
                              "env_options": dict(env_options), "fixed_actions": tuple(legal) if fixed else None,
                              "__doc__": f"TRL environment for {env!r} ({env_options}); built by "
-                                        f"env_adapters.trl.environment_factory."}
+                                        f"agentcredit.trl.rollouts.environment_factory."}
     if fixed:
         for action in legal:
             name = _tool_name(action)

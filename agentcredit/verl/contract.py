@@ -20,8 +20,8 @@ key                 type                      meaning (default when absent)
                                               required on the legacy trainer)
 ==================  ========================  ===================================================================
 
-An estimator whose params class names ``VERL_EXTRAS`` (required) or ``VERL_OPTIONAL_EXTRAS`` (used when every row
-has them) gets those ``extra_fields`` keys as StepTable ``extras`` columns: MVPO reads ``signature`` (str),
+An estimator's declared extras (``Estimator.extras``: the required ones, and the optional ones when every row has
+them) are read from the ``extra_fields`` keys of the same names as StepTable ``extras`` columns: MVPO reads ``signature`` (str),
 ``milestones`` (list of 0/1) and ``loop_flag`` (0/1). Rows tagged ``is_padding`` (verl's batch balancing) are dropped and get advantage 0.
 """
 
@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..steptable import StepTable, list_block
+from credit_plugins.steptable import StepTable, list_block
 
 STEP_IDX, ANCHOR, ACTION, STEP_REWARD, SUCCESS, TRUNCATED, TRAJ = (
     "step_idx", "anchor_key", "action_key", "step_reward", "success", "truncated", "traj_uid")
@@ -100,7 +100,7 @@ def missing_fields_message(estimator: str, missing: Sequence[str]) -> str:
     return (f"agentcredit estimator {estimator!r} needs per-step metadata that this verl batch does not carry: "
             f"set extra_fields {list(missing)} on every AgentLoopOutput (one output per step), e.g. "
             f"AgentLoopOutput(..., extra_fields={{'anchor_key': canonical_obs, 'step_idx': t, 'action_key': "
-            f"parsed_action}}). env_adapters' agent loop does this; see credit_plugins.verl.contract")
+            f"parsed_action}}). env_adapters' agent loop does this; see agentcredit.verl.contract")
 
 
 #: extras that name another row by its ``traj_uid`` (a tree node's ``parent``; None = no such row)
@@ -113,7 +113,7 @@ def _extra_column(values: list[Any], name: str = "") -> Any:
     bools stay bool, of ints int64, anything else float64; rows of different lengths are right-padded with 0/False
     (e.g. ASCT's tables in an env whose legal set varies: only the legal_mask columns are read)."""
     if name in ID_EXTRAS:
-        from ..hashing import stable_hash
+        from credit_plugins.hashing import stable_hash
 
         return np.asarray([-1 if v is None else stable_hash(str(v)) for v in values], dtype=np.int64)
     if values and isinstance(values[0], (list, tuple, np.ndarray)):
