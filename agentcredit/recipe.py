@@ -66,6 +66,8 @@ class EvalConfig:
     before: bool = True
     after: bool = True
     batch_size: int = 64
+    #: seed of the sampling stream: the same seeds and stream before and after training, and on every rerun
+    sampling_seed: int = 0
 
     @property
     def seed_list(self) -> list[int]:
@@ -117,6 +119,8 @@ class Recipe:
         agentcredit: the ``agentcredit:`` block with defaults filled in.
         path: the YAML file it came from.
         overrides: the ``key=value`` overrides applied on top of the file.
+        precision: why ``trl_args["bf16"]`` is what it is (:func:`agentcredit.precision.resolve_bf16`: a recipe's
+            ``bf16: auto``, or no ``bf16`` key, means bf16 autocast only where the hardware has native bf16).
     """
 
     trl_args: dict[str, Any]
@@ -124,6 +128,7 @@ class Recipe:
     agentcredit: AgentCreditConfig
     path: str
     overrides: list[str] = field(default_factory=list)
+    precision: str = ""
 
     def grpo_config(self, **changes: Any):
         """A ``trl.GRPOConfig`` from :attr:`trl_args` (``changes`` win, e.g. ``max_steps=2``)."""
@@ -274,13 +279,29 @@ def load_recipe(path: str | os.PathLike, overrides=(), validate_trl: bool = True
     _check_steps(trl_args, ac)
     if "report_to" not in trl_args:
         trl_args["report_to"] = ["tensorboard"] if importlib.util.find_spec("tensorboard") else "none"
-    recipe = Recipe(trl_args=trl_args, model_args=model_args, agentcredit=ac, path=str(path), overrides=overrides)
+    precision = _resolve_precision(trl_args)
+    recipe = Recipe(trl_args=trl_args, model_args=model_args, agentcredit=ac, path=str(path), overrides=overrides,
+                    precision=precision)
     if validate_trl:
         try:
             recipe.grpo_config()
         except (ValueError, TypeError) as e:
             raise RecipeError(grpo_config_error(e)) from e
     return recipe
+
+
+def _resolve_precision(trl_args: dict[str, Any]) -> str:
+    """Resolve ``bf16: auto`` (or no ``bf16`` key: TRL would default to bf16) by the hardware; returns the reason."""
+    from .precision import resolve_bf16
+
+    value = trl_args.get("bf16", "auto")
+    if trl_args.get("fp16") is True and "bf16" not in trl_args:
+        return "fp16 set by the recipe"
+    try:
+        trl_args["bf16"], reason = resolve_bf16(value, device="cpu" if trl_args.get("use_cpu") else None)
+    except ValueError as e:
+        raise RecipeError(str(e)) from e
+    return reason
 
 
 def grpo_config_error(e: Exception) -> str:
@@ -330,11 +351,13 @@ def _agentcredit(block: Any, model_args: dict[str, Any], build_env: bool) -> Age
         eval_cfg = EvalConfig(**ev)
         eval_cfg.seeds = _seed_range("eval.seeds", eval_cfg.seeds)
         _positive("eval.batch_size", eval_cfg.batch_size)
+        if isinstance(eval_cfg.sampling_seed, bool) or not isinstance(eval_cfg.sampling_seed, int):
+            raise RecipeError(f"agentcredit.eval.sampling_seed must be an integer, got {eval_cfg.sampling_seed!r}")
         if not isinstance(eval_cfg.temperature, (int, float)) or eval_cfg.temperature <= 0:
             raise RecipeError(f"agentcredit.eval.temperature must be > 0, got {eval_cfg.temperature!r}")
     else:
         raise RecipeError(f"agentcredit.eval must be a mapping (seeds, temperature, greedy, before, after, "
-                          f"batch_size) or null, got {ev!r}")
+                          f"batch_size, sampling_seed) or null, got {ev!r}")
     ac = AgentCreditConfig(**values, eval=eval_cfg)
     for key in ("env_options", "credit_params", "rollout_options"):
         if getattr(ac, key) is None:

@@ -10,7 +10,6 @@ evaluation before and after (success with its 95 % interval and the valid-action
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import os
 import random
@@ -142,10 +141,7 @@ def _evaluate(bridge, model, tokenizer, recipe: Recipe):
     ac, ev = recipe.agentcredit, recipe.agentcredit.eval
     kwargs = dict(max_turns=ac.max_turns, temperature=ev.temperature, greedy=ev.greedy, prompt=ac.prompt,
                   max_new_tokens=ac.max_new_tokens, batch_size=ev.batch_size, system=ac.system,
-                  history_length=ac.history_length)
-    accepted = inspect.signature(bridge.evaluate).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
-        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+                  history_length=ac.history_length, sampling_seed=ev.sampling_seed)
     was_training = model.training
     model.eval()
     try:
@@ -195,6 +191,7 @@ def run(recipe: Recipe, max_steps: int | None = None, eval: bool = True) -> RunR
           f"{trainable:,} of {total:,} parameters trainable | env {ac.env} {ac.env_options} | bridge {ac.bridge} | "
           f"credit {ac.credit} {ac.credit_params} | {steps} steps x {ac.groups_per_step} groups x "
           f"{ac.episodes_per_group} episodes", flush=True)
+    print(f"agentcredit train: precision {recipe.precision}", flush=True)
 
     # environment bridge
     if ac.bridge == "rollout_func":
@@ -249,7 +246,7 @@ def run(recipe: Recipe, max_steps: int | None = None, eval: bool = True) -> RunR
         "steps": int(trainer.state.global_step), "max_steps": steps, "wall_seconds": round(wall, 2),
         "train_seconds": round(train_seconds, 2), "trainable_parameters": trainable,
         "before": _as_dict(before), "after": _as_dict(after), "train": dict(metrics_cb.summary),
-        "metrics": str(metrics_cb.path), "learning_curve": png,
+        "metrics": str(metrics_cb.path), "learning_curve": png, "precision": recipe.precision,
     }
     summary_path = out_dir / "summary.json"
     summary_path.write_text(json.dumps(summary, indent=2, default=str) + "\n")

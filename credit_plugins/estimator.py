@@ -82,6 +82,9 @@ class Estimator:
             optional, with the rollout piece that produces it. Bridges and the recipe loader read this record
             (:meth:`sources`, :meth:`reads`, :meth:`extra_names`) instead of knowing estimators by name.
         output: ``"step"`` ([S]) or ``"token"`` ([S, L]).
+        reference: the loop reference of ``fn``: ``reference(steps, params)`` computes the same values as ``fn``
+            with plain per-row / per-group Python that reads like the paper (``credit_plugins.reference``), the
+            oracle of the tests and the baseline of ``benchmarks/credit_speed.py``; never used for training.
         stateful: ``None`` for a pure estimator. For a method that carries state from batch to batch (MVPO's
             kappa schedule and milestone weights, SIPO's a2), the class holding that state: built as
             ``stateful(params)``, called as ``instance(steps) -> Tensor`` (input order, float32), with
@@ -103,6 +106,7 @@ class Estimator:
     output: str = "step"
     stateful: type | None = None
     extras: tuple[Extra, ...] = ()
+    reference: Callable[[StepTable, Any], torch.Tensor] | None = None
 
     def __post_init__(self):
         unknown = sorted(set(self.requires) - set(StepTable.FIELDS))
@@ -157,6 +161,14 @@ class Estimator:
         with torch.no_grad():
             out = self.fn(steps, p)
         return steps.to_input_order(out).to(torch.float32)
+
+    def reference_values(self, steps: StepTable, **params: Any) -> torch.Tensor:
+        """:attr:`reference` on ``steps`` with ``params``, in the rows' input order (as :meth:`__call__` returns)."""
+        if self.reference is None:
+            raise ValueError(f"estimator {self.name!r} has no loop reference")
+        p = self.make_params(**params)
+        steps.require(*self.required_fields, by=f"estimator {self.name!r} (reference)")
+        return steps.to_input_order(self.reference(steps, p)).to(torch.float32)
 
     def defaults(self) -> dict[str, Any]:
         """The default parameters as plain config values (tuples as lists, as YAML/OmegaConf hold them)."""

@@ -336,3 +336,17 @@ def test_evaluate_structure_and_wilson_interval(tiny):
         [[t.response for t in e.turns] for e in greedy[1].episodes]
     lo, hi = wilson_interval(8, 64)
     assert (round(100 * lo, 1), round(100 * hi, 1)) == (6.5, 22.8)
+
+
+def test_sampled_evaluation_is_reproducible_and_leaves_the_callers_stream_alone(tiny):
+    """The same seeds and the same sampling stream: a rerun of the before-evaluation gives the same episodes."""
+    model, tok, _ = tiny
+    kw = dict(seeds=range(200, 206), max_turns=3, temperature=1.5, max_new_tokens=6, batch_size=4)
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    runs = [evaluate(model, tok, "minigrid", ABS, sampling_seed=5, **kw) for _ in range(2)]
+    assert torch.equal(torch.get_rng_state(), state)  # forked: training's random stream is untouched
+    texts = [[[t.response for t in e.turns] for e in r.episodes] for r in runs]
+    assert texts[0] == texts[1] and runs[0].success_rate == runs[1].success_rate
+    other = evaluate(model, tok, "minigrid", ABS, sampling_seed=6, **kw)
+    assert [[t.response for t in e.turns] for e in other.episodes] != texts[0]  # the seed does choose the stream

@@ -91,7 +91,10 @@ def test_demo_recipe_settings():
     r = load_recipe(DEMO)
     t, ac = r.trl_args, r.agentcredit
     assert r.model_args["model_name_or_path"] == "smollm2-135m-instruct"
-    assert (t["loss_type"], t["beta"], t["num_iterations"], t["bf16"], t["temperature"]) == ("dapo", 0.0, 1, True, 0.7)
+    assert (t["loss_type"], t["beta"], t["num_iterations"], t["temperature"]) == ("dapo", 0.0, 1, 0.7)
+    from agentcredit.precision import native_bf16
+
+    assert t["bf16"] is native_bf16("cpu") and r.precision  # bf16: auto, resolved by this machine's CPU
     assert t["lr_scheduler_type"] == "constant" and 3e-5 <= t["learning_rate"] <= 1e-4
     assert t["use_cpu"] is True and t["logging_steps"] == 1 and t["save_strategy"] == "no"
     assert (ac.env, ac.bridge, ac.credit, ac.freeze_layers) == ("minigrid", "rollout_func", "gigpo", 20)
@@ -370,3 +373,32 @@ def test_sft_then_a_distillation_recipe_end_to_end_on_the_tiny_model(tmp_path, c
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert len(rows) == 2 and all("agentcredit/tide/lambda" in r for r in rows)
     assert json.loads((out / "summary.json").read_text())["schedule"] == "tide"
+
+
+# ---- precision chosen by the hardware -------------------------------------------------------------------------------
+@pytest.mark.parametrize("caps,want", [({"avx2": True, "avx512_bf16": False, "amx_bf16": False}, False),
+                                       ({"avx512_f": True, "avx512_bf16": True}, True),
+                                       ({"amx_bf16": True}, True), ({"bf16": True}, True), ({}, False)])
+def test_bf16_auto_follows_native_bf16(caps, want):
+    from agentcredit.precision import native_bf16, resolve_bf16
+
+    assert native_bf16("cpu", caps) is want
+    got, reason = resolve_bf16("auto", "cpu", caps)
+    assert got is want and ("native bf16" in reason) and (("no native" in reason) is not want)
+    assert resolve_bf16(True, "cpu", caps)[0] is True and resolve_bf16(False, "cpu", caps)[0] is False  # forced
+    with pytest.raises(ValueError, match="bf16 must be true, false or 'auto'"):
+        resolve_bf16("sometimes", "cpu", caps)
+
+
+def test_recipe_bf16_auto_resolves_and_an_override_forces_it():
+    from agentcredit.precision import native_bf16
+
+    assert load_recipe(DEMO).trl_args["bf16"] is native_bf16("cpu")
+    forced = load_recipe(DEMO, ["bf16=false"])
+    assert forced.trl_args["bf16"] is False and "set by the recipe" in forced.precision
+    with pytest.raises(RecipeError, match="bf16 must be true, false or 'auto'"):
+        load_recipe(DEMO, ["bf16=maybe"], validate_trl=False)
+    assert load_recipe(DEMO).agentcredit.eval.sampling_seed == 0
+    with pytest.raises(RecipeError, match="sampling_seed must be an integer"):
+        load_recipe(DEMO, ["agentcredit.eval.sampling_seed=x"], validate_trl=False)
+

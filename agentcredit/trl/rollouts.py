@@ -432,16 +432,27 @@ class EvalResult:
 
 def evaluate(model, tokenizer, env: str, env_options: dict | None, seeds: Iterable[int], max_turns: int = 6,
              temperature: float = 0.7, greedy: bool = False, prompt: str = "compact", max_new_tokens: int = 8,
-             batch_size: int = 64, system: str | None = None, history_length: int = 0) -> EvalResult:
-    """Play one episode per seed (sampled at ``temperature``, or greedy) and summarise it."""
+             batch_size: int = 64, system: str | None = None, history_length: int = 0,
+             sampling_seed: int | None = 0) -> EvalResult:
+    """Play one episode per seed (sampled at ``temperature``, or greedy) and summarise it.
+
+    Reproducible: the episodes use the env seeds ``seeds`` and the sampling stream ``torch.manual_seed(sampling_seed)``
+    (forked, so the caller's random state is left as it was), so the same model evaluated twice gives the same
+    number, and a before/after comparison sees the same seeds and the same stream. ``sampling_seed=None`` samples
+    from the caller's stream instead.
+    """
     import env_adapters
+    import torch
 
     t0 = time.perf_counter()
     seeds = [int(s) for s in seeds]
     specs = [(env_adapters.make(env, **dict(env_options or {})), s) for s in seeds]
-    episodes = play_episodes(model, tokenizer, specs, max_turns=max_turns, max_new_tokens=max_new_tokens,
-                             temperature=temperature, greedy=greedy, prompt=prompt, batch_size=batch_size,
-                             system=system, history_length=history_length)
+    with torch.random.fork_rng(enabled=sampling_seed is not None):
+        if sampling_seed is not None:
+            torch.manual_seed(int(sampling_seed))
+        episodes = play_episodes(model, tokenizer, specs, max_turns=max_turns, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, greedy=greedy, prompt=prompt, batch_size=batch_size,
+                                 system=system, history_length=history_length)
     s = _stats(episodes)
     wins = sum(e.success for e in episodes)
     return EvalResult(n_episodes=len(episodes), success_rate=s["success_rate"],

@@ -13,7 +13,7 @@ follows the paper. The action values come from the env-side evaluator, ``env_ada
     Q^(s,a)    = mean utility U = P - lam C_exec / C_0 of the trials whose root action was a       Eqs. 1-2
     V^(s)      = sum_{a in A(s)} p_a Q^(s,a)                                                       Eq. 3
     A^(s,a_t)  = Q^(s,a_t) - V^(s)                                                                 Eq. 4
-    A          = (A^ - mean A^) / (std A^ + eps) over the batch's decisions with |A(s)| >= 2        Eq. 8, step 6
+    A          = (A^ - mean A^) / (std A^ + eps) over the batch's decisions (standardise_over)     Eq. 8, step 6
 
 One StepTable row per actor-visited non-terminal decision (group = task, traj = rollout, t = decision index; the
 ``reward`` column is not read: Q^ already carries the utility). Extras, ``S`` rows by ``A`` padded columns:
@@ -31,10 +31,19 @@ Decisions where the paper is open (spec §7.4, §15 item 7):
 * Standardisation (Eq. 8 step 6) is over **all decisions of the batch** (the training iteration's collected
   decisions), not per task group, with the **unbiased** std (ddof=1, ``torch.std``, the PPO / verl convention of
   §1.5) plus ``eps = 1e-6`` (``unbiased=False`` gives the population std). ``standardise=False`` returns raw A^.
-* Decisions with one legal action have A^ = 0 exactly (§7.4) and **do not take part** in the statistics: they are
-  forced moves that carry no credit, and including them would both shrink the std and give them a nonzero
-  standardised value. They stay exactly 0. With fewer than two multi-action decisions (no spread to estimate) the
-  standardised credit is 0 (the mean is the value itself), like GiGPO's singleton step group.
+* Decisions with one legal action (forced moves) have raw A^ = 0 exactly (§7.4). Which decisions the statistics
+  are taken over is ``standardise_over``:
+
+  - ``"all_decisions"`` (default, the paper's text: "standardise A^ across all collected decisions", and T7.5's
+    std 1 over them): a forced move stays in the sample with its raw 0, so it shifts the mean and shrinks the std,
+    and after standardisation it carries ``-mean / (std + eps)`` like any other decision. Raw ``[.5, .3, 0
+    (forced)]`` give ``[0.927, 0.132, -1.060]``.
+  - ``"multi_action"`` [RECON]: the statistics are over the decisions with ``|A(s)| >= 2`` only and forced moves
+    stay exactly 0 (they carry no credit, and a forced move's token log-prob under the legal-set softmax has no
+    gradient anyway). The same raw values give ``[0.707, -0.707, 0]``.
+
+  With fewer than two decisions in the sample (no spread to estimate) the standardised credit is 0 everywhere (the
+  mean is the value itself), like GiGPO's singleton step group.
 * ``legal_p`` must be >= 0, finite, 0 on padding columns, and sum to 1 over the legal columns within 1e-4
   (``p_tolerance``); it is then **renormalised exactly** over the legal columns, so that float32 rounding in the
   bridge leaves no residual baseline bias (T7.1 holds to float64 precision). A larger deviation is an error, not
@@ -53,7 +62,10 @@ import torch
 from ..estimator import Estimator, Extra, param
 from ..steptable import StepTable
 
-__all__ = ["ASCTParams", "ESTIMATOR", "legal_probs", "centred_q", "actor_centred_credit", "standardise_decisions"]
+__all__ = ["ASCTParams", "ESTIMATOR", "legal_probs", "centred_q", "actor_centred_credit", "standardise_decisions",
+           "STANDARDISE_OVER"]
+
+STANDARDISE_OVER = ("all_decisions", "multi_action")
 
 
 @dataclass
@@ -62,8 +74,11 @@ class ASCTParams:
 
     # extra_fields the verl bridge forwards as StepTable extras (agentcredit.verl.search_loops.CounterfactualAgentLoop)
 
-    standardise: bool = param(True, "Standardise A^ across all multi-action decisions of the batch (Eq. 8 step 6); "
-                              "False returns the raw actor-centred credit Q^(s,a_t) - V^(s).")
+    standardise: bool = param(True, "Standardise A^ across the batch's decisions (Eq. 8 step 6; which ones: "
+                              "standardise_over); False returns the raw actor-centred credit Q^(s,a_t) - V^(s).")
+    standardise_over: str = param("all_decisions", "Decisions the mean/std are taken over: 'all_decisions' (the "
+                                  "paper: forced moves, raw A^ = 0, are in the sample and get -mean/std) or "
+                                  "'multi_action' (only |A(s)| >= 2; forced moves stay exactly 0).")
     eps: float = param(1e-6, "Added to the std before dividing.")
     unbiased: bool = param(True, "Unbiased std (ddof=1, torch.std, the PPO/verl convention); False: population std.")
     p_tolerance: float = param(1e-4, "How far the legal probabilities may sum from 1 before it is an error; within "
@@ -75,6 +90,8 @@ class ASCTParams:
                              f"divide by zero")
         if not (isinstance(self.p_tolerance, (int, float)) and 0 < self.p_tolerance < 1):
             raise ValueError(f"p_tolerance={self.p_tolerance!r}; it must lie in (0, 1), e.g. 1e-4")
+        if self.standardise_over not in STANDARDISE_OVER:
+            raise ValueError(f"standardise_over={self.standardise_over!r}; choose one of {STANDARDISE_OVER}")
         for name in ("standardise", "unbiased"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}; pass True or False")
@@ -257,7 +274,9 @@ def asct(steps: StepTable, p: ASCTParams) -> torch.Tensor:
         _check_visits(visits[steps.inverse], mask)
     a = actor_centred_credit(legal_p, mask, q, chosen, p.p_tolerance)
     if p.standardise:
-        a = standardise_decisions(a, mask.sum(dim=1) >= 2, eps=p.eps, unbiased=p.unbiased)
+        multi = mask.sum(dim=1) >= 2
+        in_sample = multi if p.standardise_over == "multi_action" else torch.ones_like(multi)
+        a = standardise_decisions(a, in_sample, eps=p.eps, unbiased=p.unbiased)
     return a[steps.order]
 
 
