@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import math
 import os
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -275,6 +276,7 @@ def load_recipe(path: str | os.PathLike, overrides=(), validate_trl: bool = True
         raise RecipeError("model_name_or_path is missing: set a model (a local checkpoint folder, a hub id, or "
                           "one of the built-in names 'smollm2-135m-instruct', 'tiny-qwen2')")
     ac = _agentcredit(block, model_args, build_env=build_env)
+    _check_trl_types(trl_args)
     _derive_geometry(trl_args, ac)
     _check_steps(trl_args, ac)
     if "report_to" not in trl_args:
@@ -353,7 +355,8 @@ def _agentcredit(block: Any, model_args: dict[str, Any], build_env: bool) -> Age
         _positive("eval.batch_size", eval_cfg.batch_size)
         if isinstance(eval_cfg.sampling_seed, bool) or not isinstance(eval_cfg.sampling_seed, int):
             raise RecipeError(f"agentcredit.eval.sampling_seed must be an integer, got {eval_cfg.sampling_seed!r}")
-        if not isinstance(eval_cfg.temperature, (int, float)) or eval_cfg.temperature <= 0:
+        if isinstance(eval_cfg.temperature, bool) or not isinstance(eval_cfg.temperature, (int, float)) or \
+                not math.isfinite(eval_cfg.temperature) or eval_cfg.temperature <= 0:
             raise RecipeError(f"agentcredit.eval.temperature must be > 0, got {eval_cfg.temperature!r}")
     else:
         raise RecipeError(f"agentcredit.eval must be a mapping (seeds, temperature, greedy, before, after, "
@@ -375,6 +378,10 @@ def _agentcredit(block: Any, model_args: dict[str, Any], build_env: bool) -> Age
     ac.train_seeds = _seed_range("train_seeds", ac.train_seeds)
 
     # choices
+    for key in ("env", "bridge", "rollout", "prompt", "credit", "schedule", "teacher", "system"):
+        value = getattr(ac, key)
+        if not isinstance(value, str) and not (value is None and key in ("schedule", "teacher", "system")):
+            raise RecipeError(f"agentcredit.{key} must be a string (a name), got {value!r}")
     if ac.bridge not in BRIDGES:
         raise RecipeError(f"agentcredit.bridge={ac.bridge!r} is not a bridge{_suggest(ac.bridge, BRIDGES)}; valid: "
                           f"{', '.join(BRIDGES)} (rollout_func: one row per turn, Markovian prompt; "
@@ -439,6 +446,9 @@ def _agentcredit(block: Any, model_args: dict[str, Any], build_env: bool) -> Age
             raise ImportError(f"agentcredit.env={ac.env!r}: {e}") from e
         except (ValueError, TypeError) as e:
             raise RecipeError(f"agentcredit.env_options for env {ac.env!r}: {e}") from e
+        except (MemoryError, OverflowError) as e:
+            raise RecipeError(f"agentcredit.env_options {ac.env_options} for env {ac.env!r} build a game too large "
+                              f"for this machine ({type(e).__name__}); use smaller sizes") from None
     return ac
 
 
@@ -516,7 +526,7 @@ def _derive_geometry(trl_args: dict[str, Any], ac: AgentCreditConfig) -> None:
     if isinstance(per_device, bool) or not isinstance(per_device, int) or per_device < 1:
         raise RecipeError(f"per_device_train_batch_size must be a positive integer, got {per_device!r}")
     if gbs % (per_device * world):
-        fits = [d for d in range(1, gbs + 1) if gbs % (d * world) == 0]
+        fits = _micro_batches_that_fit(gbs, world)
         raise RecipeError(f"per_device_train_batch_size={per_device} (x world size {world}) does not divide the "
                           f"generation batch of {gbs} rows ({derived['generation_batch_size'][1]}); one generation "
                           f"round must be a whole number of micro-batches. Values that fit: {fits}")
@@ -529,6 +539,34 @@ def _derive_geometry(trl_args: dict[str, Any], ac: AgentCreditConfig) -> None:
                               f"remove {key} from the recipe")
     trl_args.pop("steps_per_generation", None)  # TRL derives it from generation_batch_size (both set is an error)
     trl_args["gradient_accumulation_steps"] = ga
+
+
+def _micro_batches_that_fit(rows: int, world: int, most: int = 24) -> list[int]:
+    """The per-device batch sizes ``d`` with ``rows % (d * world) == 0``: divisors found up to ``sqrt`` (so a huge
+    batch costs milliseconds), the ``most`` smallest listed."""
+    if rows % world:
+        return []
+    n = rows // world
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small) | {n // d for d in small})[:most]
+
+
+def _check_trl_types(trl_args: dict[str, Any]) -> None:
+    """Numeric ``GRPOConfig`` fields get numbers (finite ones): ``learning_rate=fast`` or ``.nan`` is an error here,
+    not a crash (or a NaN run) later. The type is the field's default's (TRL's dataclass annotations are strings)."""
+    from agentcredit.trl import grpo_config
+
+    defaults = {f.name: f.default for f in dataclasses.fields(grpo_config())}
+    for key, value in trl_args.items():
+        default = defaults.get(key)
+        if isinstance(default, bool) or not isinstance(default, (int, float)) or value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                (isinstance(default, int) and not isinstance(default, bool) and isinstance(value, float)
+                 and not value.is_integer()):
+            raise RecipeError(f"{key} must be a {type(default).__name__} (default {default!r}), got {value!r}")
+        if not math.isfinite(value):
+            raise RecipeError(f"{key} must be finite, got {value!r}")
 
 
 def _check_steps(trl_args: dict[str, Any], ac: AgentCreditConfig) -> None:

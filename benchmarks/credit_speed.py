@@ -15,7 +15,7 @@ embeddings, AlignOPSD with its K = 3 cross passes), ``asct`` (decision rows with
 ``at2po`` / ``treerl`` / ``tree_grpo`` (trees of 4 chains + 4 forks over 8-step chains, ~48 nodes each).
 
 Columns: time of the vectorised estimator (the StepTable is built once beforehand, its build time is printed
-separately), rows per second, time of the per-row Python reference on the same batch (above --naive-limit rows,
+separately), rows per second, time of the loop reference on the same batch (above --naive-limit rows,
 it runs on a prefix of whole groups and is scaled linearly, marked '~'), the ratio, peak extra memory, and the
 estimator's time as a share of a training step. The step time assumed is 187.46 s: CRBC's measured ALFWorld update
 (Qwen2.5-1.5B, 16 groups x 8 rollouts, 4xA100; CREDIT.md §11) whose batch is ~3,200 step rows; the share is given
@@ -208,23 +208,19 @@ def run_extended(sizes, repeat: int, names=None) -> None:
 
 
 def naive_functions():
-    """Per-row references by estimator name (the graph methods come from their own modules when present)."""
-    from benchmarks import naive_gigpo
-
-    out = {"grpo": naive_gigpo.naive_grpo, "gigpo": naive_gigpo.naive_gigpo}
-    try:
-        from benchmarks import naive_graph
-
-        out.update(graphhca=naive_graph.naive_graphhca, crbc=naive_graph.naive_crbc)
-    except ImportError:
-        pass
-    try:
-        from benchmarks import naive_mvpo
-
-        out["mvpo"] = lambda rows: naive_mvpo.naive_mvpo(rows)[0]
-    except ImportError:
-        pass
+    """Loop references by estimator name: ``Estimator.reference_values`` (``credit_plugins.reference``, takes a
+    StepTable) for every estimator whose record has one, else a per-row function of row dicts kept in benchmarks/."""
+    out = {name: cp.get(name).reference_values for name in cp.available() if cp.get(name).reference is not None}
     return out
+
+
+def naive_input(fn, cols, n: int):
+    """The first ``n`` rows of ``cols`` as ``fn`` from :func:`naive_functions` takes them: a StepTable for an
+    ``Estimator.reference_values``, row dicts (:func:`as_rows`) for a per-row function."""
+    if getattr(fn, "__func__", None) is cp.Estimator.reference_values:
+        head = {k: v[:n] for k, v in cols.items() if k != "extras"}
+        return cp.StepTable(**head, extras={k: v[:n] for k, v in cols.get("extras", {}).items()})
+    return as_rows(cols, n)
 
 
 def best_of(fn, repeat):
@@ -271,9 +267,9 @@ def main(argv=None):
             fast = best_of(lambda: run_estimator(name, steps), args.repeat)
             limit = min(n, args.naive_limit)
             limit = int(np.searchsorted(cols["group"], cols["group"][limit - 1], side="right"))  # whole groups
-            rows = as_rows(cols, limit)
+            ref_input = naive_input(naive[name], cols, limit)
             t0 = time.perf_counter()
-            naive[name](rows)
+            naive[name](ref_input)
             slow = (time.perf_counter() - t0) * n / limit
             mark = "~" if limit < n else " "
             share = 100 * fast / (STEP_SECONDS * n / STEP_ROWS)

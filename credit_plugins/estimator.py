@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import numbers
 import textwrap
+import threading
+import types
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from .steptable import StepTable
 
-__all__ = ["Estimator", "BoundEstimator", "Extra", "SOURCES", "param", "make_params"]
+__all__ = ["Estimator", "BoundEstimator", "Extra", "SOURCES", "StatefulEstimator", "param", "make_params",
+           "check_value"]
 
 #: The rollout pieces that produce StepTable extras: what a bridge or a recipe must run for an estimator to get them.
 SOURCES = {
@@ -41,9 +48,16 @@ class Extra:
             raise ValueError(f"Extra({self.name!r}): unknown source {self.source!r}; one of {sorted(SOURCES)}")
 
 
-def param(default: Any, help: str, **kwargs: Any) -> Any:  # noqa: A002 - mirrors TRL's field(metadata={"help"})
-    """A dataclass field with a default and a one-line help string (shown by ``agentcredit describe``)."""
-    return dataclasses.field(default=default, metadata={"help": help, **kwargs})
+def param(default: Any, help: str, *, low: float | None = None, high: float | None = None,  # noqa: A002
+          choices: tuple[Any, ...] | None = None, allow_inf: bool = False, **kwargs: Any) -> Any:
+    """A dataclass field with a default and a one-line help string (shown by ``agentcredit describe``).
+
+    Every value :func:`make_params` takes for it is checked against the field's annotation (``bool`` only bools,
+    ``int`` only integers, ``float`` only finite real numbers unless ``allow_inf``, NaN never; ``| None`` admits None;
+    tuples/lists of numbers element-wise) and against ``low <= value <= high`` and ``choices`` when given. The
+    params class's own ``__post_init__`` then checks what depends on several fields."""
+    meta = {"help": help, "low": low, "high": high, "choices": choices, "allow_inf": allow_inf, **kwargs}
+    return dataclasses.field(default=default, metadata=meta)
 
 
 def describe_params(params: type) -> list[str]:
@@ -55,14 +69,164 @@ def describe_params(params: type) -> list[str]:
     return lines
 
 
+def _kinds(annotation: Any) -> tuple[set[type], bool]:
+    """The plain types an annotation admits (bool, int, float, str, tuple, list, ...) and whether it admits None."""
+    if annotation is None or annotation is type(None):
+        return set(), True
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        kinds, nullable = set(), False
+        for arg in typing.get_args(annotation):
+            k, n = _kinds(arg)
+            kinds |= k
+            nullable |= n
+        return kinds, nullable
+    if origin is typing.Literal:
+        return {type(a) for a in typing.get_args(annotation)}, None in typing.get_args(annotation)
+    if origin is not None:
+        return {origin}, False
+    return ({annotation} if isinstance(annotation, type) else set()), False
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, str)) and type(value).__name__ != "bool_"
+
+
+def check_value(name: str, value: Any, annotation: Any, meta: Mapping[str, Any] | None = None,
+                owner: str = "parameter") -> Any:
+    """``value`` checked against ``annotation`` and the :func:`param` metadata ``meta``, returned as the plain
+    Python value (numpy scalars become int/float); a ``ValueError`` names ``owner``, the field and the rule. Used
+    for every estimator and scheduler parameter, and for the fields of their saved state."""
+    meta = meta or {}
+    kinds, nullable = _kinds(annotation)
+    where = f"{owner}: {name}={value!r}"
+    if value is None:
+        if nullable or not kinds:
+            return value
+        raise ValueError(f"{where}: None is not allowed; give a {'/'.join(sorted(k.__name__ for k in kinds))}")
+    if kinds & {tuple, list}:
+        if not isinstance(value, (tuple, list)):
+            if kinds <= {tuple, list}:
+                raise ValueError(f"{where}: must be a list, not a {type(value).__name__}")
+        else:
+            for i, v in enumerate(value):
+                if isinstance(v, str) or (_is_real(v) and not (math.isfinite(float(v)) or meta.get("allow_inf"))):
+                    raise ValueError(f"{where}: element {i} is {v!r}; every element must be a finite number")
+            return value
+    if bool in kinds and not (kinds & {int, float}):
+        if isinstance(value, bool) or type(value).__name__ == "bool_":
+            return bool(value)
+        raise ValueError(f"{where}: must be true or false (a bool), not a {type(value).__name__}")
+    if kinds & {int, float} and not kinds & {str}:
+        if not _is_real(value):
+            want = "a number" if float in kinds else "an integer"
+            raise ValueError(f"{where}: must be {want}, not a {type(value).__name__}")
+        if float not in kinds:
+            if not isinstance(value, numbers.Integral):
+                raise ValueError(f"{where}: must be an integer")
+            value = int(value)
+        else:
+            value = float(value) if not isinstance(value, numbers.Integral) else value
+            if math.isnan(value) or (math.isinf(value) and not meta.get("allow_inf")):
+                raise ValueError(f"{where}: must be a finite number" + (" (NaN is never valid)" if math.isnan(value)
+                                                                      else ""))
+        low, high = meta.get("low"), meta.get("high")
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise ValueError(f"{where}: must lie in [{'-inf' if low is None else low}, "
+                             f"{'inf' if high is None else high}]")
+        return value
+    if str in kinds and not isinstance(value, str) and not kinds - {str}:
+        raise ValueError(f"{where}: must be a string, not a {type(value).__name__}")
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        raise ValueError(f"{where}: must be one of {list(choices)}")
+    return value
+
+
 def make_params(cls: type, values: Mapping[str, Any] | None, owner: str):
-    """Instantiate the params dataclass ``cls`` from ``values``; unknown keys are a ``ValueError`` listing valid ones."""
+    """Instantiate the params dataclass ``cls`` from ``values``; unknown keys are a ``ValueError`` listing valid ones,
+    and every given value is checked by :func:`check_value` against its field (type, finiteness, range, choices)."""
     values = dict(values or {})
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(values) - set(names))
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise ValueError(f"{owner}: unknown parameter(s) {unknown}; valid parameters are {names}")
-    return cls(**values)
+        raise ValueError(f"{owner}: unknown parameter(s) {unknown}; valid parameters are {list(fields)}")
+    hints = typing.get_type_hints(cls)
+    checked = {k: check_value(k, v, hints.get(k), fields[k].metadata, owner) for k, v in values.items()}
+    return cls(**checked)
+
+
+_LOCK_GUARD = threading.Lock()
+
+
+def check_output(owner: str, out: torch.Tensor, steps: StepTable) -> torch.Tensor:
+    """``out`` if every advantage is finite; otherwise a ``ValueError``: the inputs were finite (the StepTable
+    checks them), so their size is what the output cannot represent (e.g. rewards near float32's limit)."""
+    bad = ~torch.isfinite(out)
+    if bool(bad.any()):
+        r = steps.reward.abs().max().item() if steps.n_steps else 0.0
+        raise ValueError(f"{owner} produced {int(bad.sum())} non-finite advantage(s) from finite inputs: the "
+                         f"rewards (max |r| = {r:.3g}), extras or parameters are too large for float32 results; "
+                         f"rescale the rewards (or values) to a few orders of magnitude")
+    return out
+
+
+def _locked(method):
+    def run(self, *args, **kwargs):
+        with self._agentcredit_lock():
+            return method(self, *args, **kwargs)
+
+    return functools.wraps(method)(run)
+
+
+def _locked_call(method):
+    def run(self, steps, *args, **kwargs):
+        with self._agentcredit_lock():
+            return check_output(f"estimator {type(self).__name__}", method(self, steps, *args, **kwargs), steps)
+
+    return functools.wraps(method)(run)
+
+
+class StatefulEstimator:
+    """Base of the estimators that carry state from batch to batch (MVPO, SIPO, UniOPSD; ``Estimator.stateful``).
+
+    * One re-entrant lock per instance around ``__call__``, ``state_dict``, ``load_state_dict`` and ``reset`` (the
+      subclass's own methods are wrapped when the class is defined): two threads calling one instance take turns,
+      so every batch's state update is applied once, in some order. (One instance per trainer process is still the
+      intended use: the order of two concurrent batches is not defined.) ``__call__``'s result is checked by
+      :func:`check_output`.
+    * ``STATE_SCHEMA``: ``{key: (annotation, param-style rules)}`` of the saved state; :meth:`check_state` validates a
+      ``state_dict`` against it (exact keys, each value by :func:`check_value`: type, finiteness, range), so a
+      corrupt checkpoint is a ``ValueError`` naming the field, not NaN advantages later.
+    """
+
+    STATE_SCHEMA: ClassVar[dict[str, tuple[Any, dict[str, Any]]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        for name in ("__call__", "state_dict", "load_state_dict", "reset"):
+            if name in cls.__dict__:
+                setattr(cls, name, (_locked_call if name == "__call__" else _locked)(cls.__dict__[name]))
+
+    def _agentcredit_lock(self) -> threading.RLock:
+        lock = self.__dict__.get("_agentcredit_rlock")
+        if lock is None:
+            with _LOCK_GUARD:
+                lock = self.__dict__.setdefault("_agentcredit_rlock", threading.RLock())
+        return lock
+
+    def check_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """``state`` validated against :attr:`STATE_SCHEMA`, as plain Python values."""
+        owner = f"{type(self).__name__}.load_state_dict"
+        if not isinstance(state, Mapping):
+            raise ValueError(f"{owner}: expected a dict from {type(self).__name__}.state_dict(), got "
+                             f"{type(state).__name__}")
+        missing = [k for k in self.STATE_SCHEMA if k not in state]
+        extra = sorted(set(state) - set(self.STATE_SCHEMA))
+        if missing or extra:
+            raise ValueError(f"{owner}: missing keys {missing}, unexpected keys {extra}; expected "
+                             f"{list(self.STATE_SCHEMA)} (a dict from {type(self).__name__}.state_dict())")
+        return {k: check_value(k, state[k], ann, meta, owner) for k, (ann, meta) in self.STATE_SCHEMA.items()}
 
 
 @dataclass(frozen=True)
@@ -160,7 +324,7 @@ class Estimator:
         steps.require(*self.required_fields, by=f"estimator {self.name!r}")
         with torch.no_grad():
             out = self.fn(steps, p)
-        return steps.to_input_order(out).to(torch.float32)
+        return check_output(f"estimator {self.name!r}", steps.to_input_order(out).to(torch.float32), steps)
 
     def reference_values(self, steps: StepTable, **params: Any) -> torch.Tensor:
         """:attr:`reference` on ``steps`` with ``params``, in the rows' input order (as :meth:`__call__` returns)."""

@@ -26,7 +26,8 @@ def stable_hash(text: str | bytes) -> int:
     >>> stable_hash("You are in the middle of a room.") == stable_hash("You are in the middle of a room.")
     True
     """
-    data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+    # surrogatepass: a lone surrogate (e.g. from a bad decode) gets a key instead of a UnicodeEncodeError
+    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else bytes(text)
     key = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
     if key in RESERVED_KEYS:  # 2 values in 2^64; fold them away so boundaries stay unique
         key += 2
@@ -34,10 +35,13 @@ def stable_hash(text: str | bytes) -> int:
 
 
 def canonical_bytes(value: object) -> bytes:
-    """Bytes that identify ``value``: UTF-8 of a string, raw bytes, an array's dtype, shape and buffer, a dict's
-    items in key order (verl-agent's ``to_hashable``), or the ``repr`` of anything else (ints, tuples, ...)."""
+    """Bytes that identify ``value``: UTF-8 of a string, raw bytes, a numpy scalar as the Python value it holds, an
+    array's dtype, shape and buffer, a dict's items in key order (verl-agent's ``to_hashable``), or the ``repr`` of
+    anything else (ints, floats, tuples, ...)."""
     if isinstance(value, str):
-        return value.encode("utf-8")
+        return value.encode("utf-8", "surrogatepass")
+    if isinstance(value, np.generic):  # np.float64(5.0) is the key 5.0, np.str_ the string
+        return canonical_bytes(value.item())
     if isinstance(value, (bytes, bytearray)):
         return bytes(value)
     if isinstance(value, np.ndarray):

@@ -53,41 +53,98 @@ _REQUIRED: Any = object()  # StepTable.extra without a default: the extra is req
 ArrayLike = torch.Tensor | np.ndarray | Sequence[Any]
 
 
-def _as_keys(name: str, values: ArrayLike) -> torch.Tensor:
-    """int64 key column from integer tensors/arrays, or stable hashes of anything else."""
+_INT64 = (-(2**63), 2**63 - 1)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _plain_tensor(name: str, values: torch.Tensor) -> torch.Tensor:
+    """``values`` as a dense CPU tensor; meta, sparse and nested tensors are a ``ValueError`` naming the field."""
+    if values.is_nested or values.layout != torch.strided:
+        raise ValueError(f"StepTable.{name} is a {'nested' if values.is_nested else str(values.layout)} tensor; pass "
+                         f"a dense one (.to_dense() / .to_padded_tensor(...))")
+    if values.device.type == "meta":
+        raise ValueError(f"StepTable.{name} is on the meta device and holds no data; pass the materialised tensor")
+    return values.detach().cpu()
+
+
+def _key_list(name: str, values: list, none_key: int | None) -> torch.Tensor:
+    """Keys of a Python sequence: ints as they are (within int64), ``None`` as ``none_key`` (or an error), anything
+    else hashed stably."""
+    ints = [isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in values]
+    for i, (v, is_int) in enumerate(zip(values, ints)):
+        if is_int and not _INT64[0] <= int(v) <= _INT64[1]:
+            raise ValueError(f"StepTable.{name}[{i}] = {int(v)} is outside the int64 range; use smaller integer "
+                             f"keys or pass them as strings (hashed stably)")
+        if v is None and none_key is None:
+            raise ValueError(f"StepTable.{name}[{i}] is None; every row needs a {name} key (a string or an int)")
+    if all(ints):
+        return torch.tensor([int(v) for v in values], dtype=torch.int64)
+    try:
+        return torch.from_numpy(stable_hash_many(values))
+    except (TypeError, ValueError, UnicodeError) as e:
+        raise ValueError(f"StepTable.{name} has a key that cannot be hashed: {e}") from None
+
+
+def _as_keys(name: str, values: ArrayLike, none_key: int | None = None) -> torch.Tensor:
+    """int64 key column from integer tensors/arrays, or stable hashes of anything else. ``None`` rows are an error,
+    or ``none_key`` where the field has a "missing" value (``action``: -1)."""
     if isinstance(values, torch.Tensor):
+        values = _plain_tensor(name, values)
         if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
             raise ValueError(f"StepTable.{name} must hold integer or string keys, got a {values.dtype} tensor; "
                              f"cast it with .long() or pass the original keys")
-        return values.detach().reshape(-1).to(torch.int64).cpu()
+        return values.reshape(-1).to(torch.int64)
     if not isinstance(values, np.ndarray):  # a Python sequence: ints, strings, None, arrays or dicts per row
-        values = list(values)
-        if all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in values):
-            return torch.tensor(values, dtype=torch.int64)
-        return torch.from_numpy(stable_hash_many(values))
+        return _key_list(name, list(values), none_key)
     if values.ndim != 1:
         raise ValueError(f"StepTable.{name} must be 1-D (one key per row), got shape {values.shape}; pass a list "
                          f"with one key (str, int, array or dict) per row")
+    if values.dtype.kind == "u" and values.size and int(values.max()) > _INT64[1]:
+        raise ValueError(f"StepTable.{name} holds unsigned keys above the int64 range; pass them as strings")
     if values.dtype.kind in "iu":
         return torch.from_numpy(values.astype(np.int64, copy=False))
     if values.dtype.kind in "fc":
         raise ValueError(f"StepTable.{name} must hold integer or string keys, got floats; cast them to int")
     if values.dtype.kind == "b":
         raise ValueError(f"StepTable.{name} must hold integer or string keys, got bools")
-    return torch.from_numpy(stable_hash_many(values.tolist()))
+    return _key_list(name, values.tolist(), none_key)
 
 
 def _as_tensor(name: str, values: ArrayLike, dtype: torch.dtype) -> torch.Tensor:
+    """A numeric column as ``dtype``, without silent coercions: integer columns (``t``) must hold integral values,
+    flag columns (``success``, ``truncated``) only 0/1, and float32 columns (``reward``) values float32 can hold
+    (a NaN/inf reward is reported by the caller with its row)."""
     try:
         if isinstance(values, torch.Tensor):
-            out = values.detach().reshape(-1).cpu()
+            out = _plain_tensor(name, values).reshape(-1)
         else:
             arr = np.asarray(values)
             if arr.dtype == object:
-                arr = arr.astype(np.float64 if dtype.is_floating_point else np.int64)
+                arr = arr.astype(np.float64)
+            if arr.dtype.kind not in "biuf":
+                raise TypeError(f"got {arr.dtype} values")
             out = torch.from_numpy(np.ascontiguousarray(arr.reshape(-1)))
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:
         raise ValueError(f"StepTable.{name} could not be read as {dtype}: {e}") from None
+    if out.is_complex():
+        raise ValueError(f"StepTable.{name} holds complex values; pass real numbers")
+    if dtype == torch.bool and out.dtype != torch.bool:
+        bad = ~((out == 0) | (out == 1))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"StepTable.{name}[{i}] = {out[i].item()} is not a flag; give True/False (or 1/0)")
+    elif not dtype.is_floating_point and out.is_floating_point():
+        bad = ~torch.isfinite(out) | (out != torch.round(out))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"StepTable.{name}[{i}] = {out[i].item()} is not an integer; {name} must hold whole "
+                             f"numbers")
+    elif dtype == torch.float32 and out.is_floating_point():
+        big = torch.isfinite(out) & (out.to(torch.float64).abs() > _FLOAT32_MAX)
+        if bool(big.any()):
+            i = int(big.nonzero()[0])
+            raise ValueError(f"StepTable.{name}[{i}] = {out[i].item():g} does not fit in float32 (|x| <= "
+                             f"{_FLOAT32_MAX:.3g}); rescale the {name}s")
     return out.to(dtype)
 
 
@@ -106,6 +163,27 @@ def list_block(values: Sequence[Sequence[Any]]) -> np.ndarray:
     for i, v in enumerate(values):
         out[i, :len(v)] = v
     return out
+
+
+def _extra_column(name: str, col: ArrayLike) -> torch.Tensor:
+    """An extras block as a tensor: numeric ``[S, ...]`` as it is, a 1-D column of strings/objects as stable keys;
+    anything else (ragged rows, 2-D strings) is a ``ValueError`` naming the extra."""
+    field = f"extras[{name!r}]"
+    if isinstance(col, torch.Tensor):
+        return _plain_tensor(field, col)
+    try:
+        arr = np.asarray(col) if not isinstance(col, np.ndarray) else col
+    except ValueError as e:  # ragged nested lists
+        raise ValueError(f"StepTable.{field} is ragged ({e}); pad every row to the same length (list_block does "
+                         f"that for lists)") from None
+    if arr.dtype.kind in "OUS":
+        if arr.ndim != 1:
+            raise ValueError(f"StepTable.{field} holds {arr.dtype} values in shape {arr.shape}; only a 1-D column of "
+                             f"keys (one string per row) can be non-numeric, give numbers for a block")
+        return _as_keys(field, arr, none_key=-1)
+    if arr.dtype.kind not in "biuf":
+        raise ValueError(f"StepTable.{field} holds {arr.dtype} values; give numbers or one key per row")
+    return torch.from_numpy(np.ascontiguousarray(arr))
 
 
 class StepTable:
@@ -136,7 +214,7 @@ class StepTable:
             "traj": _as_keys("traj", traj),
             "t": _as_tensor("t", t, torch.int64),
             "state": None if state is None else _as_keys("state", state),
-            "action": None if action is None else _as_keys("action", action),
+            "action": None if action is None else _as_keys("action", action, none_key=-1),
             "reward": _as_tensor("reward", reward, torch.float32),
             "success": None if success is None else _as_tensor("success", success, torch.bool),
             "truncated": None if truncated is None else _as_tensor("truncated", truncated, torch.bool),
@@ -148,12 +226,7 @@ class StepTable:
                                  f"entry per step row")
         self._extras: dict[str, torch.Tensor] = {}
         for name, col in (extras or {}).items():
-            if isinstance(col, torch.Tensor):
-                col = col.detach().cpu()
-            else:
-                arr = np.asarray(col) if not isinstance(col, np.ndarray) else col
-                col = (_as_keys(f"extras[{name!r}]", arr) if arr.dtype.kind in "OUS" and arr.ndim == 1
-                       else torch.from_numpy(np.ascontiguousarray(arr)))
+            col = _extra_column(name, col)
             if col.ndim == 0 or col.shape[0] != n:
                 raise ValueError(f"StepTable.extras[{name!r}] has first dimension "
                                  f"{tuple(col.shape)[:1] or '()'} but traj has {n} rows; give one entry per step row")

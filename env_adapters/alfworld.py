@@ -26,7 +26,7 @@ import os
 import random
 from typing import Any
 
-from .base import StepResult, missing_package
+from .base import StepResult, episode_seed, missing_package
 from .prompting import INVALID_PENALTY
 
 __all__ = ["AlfWorldAdapter", "SPLITS", "TASK_TYPES", "find_game_files", "MissingAlfWorldData"]
@@ -174,7 +174,7 @@ class AlfWorldAdapter:
 
     # ---- AgentEnv -------------------------------------------------------------------------------------------
     def reset(self, seed: int | None = None) -> str:
-        seed = self.seed if seed is None else seed
+        seed = episode_seed(self.seed if seed is None else seed, "alfworld")
         index = random.randrange(self.num_games) if seed is None else int(seed) % self.num_games
         path = self.game_files[index]
         if self._env is None:

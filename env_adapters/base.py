@@ -7,7 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["AgentEnv", "StepResult", "EnvSpec", "DrawnState", "missing_package"]
+import numpy as np
+
+__all__ = ["AgentEnv", "StepResult", "EnvSpec", "DrawnState", "missing_package", "episode_seed", "check_snapshot"]
 
 
 @dataclass
@@ -70,6 +72,30 @@ class DrawnState:
 
     def _draw(self) -> str:  # pragma: no cover - each adapter draws its own game
         raise NotImplementedError
+
+
+def episode_seed(seed: Any, env: str, limit: int = 2**63) -> int | None:
+    """``seed`` as an int in ``[0, limit)`` (None stays None: an unseeded episode; an integral float is accepted);
+    anything else is a ``ValueError`` naming the env (``numpy.random.seed`` takes ``[0, 2**32)``)."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        if isinstance(seed, (float, np.floating)) and float(seed).is_integer():
+            seed = int(seed)
+        else:
+            raise ValueError(f"{env}.reset(seed={seed!r}): the seed must be a non-negative integer")
+    if not 0 <= int(seed) < limit:
+        raise ValueError(f"{env}.reset(seed={int(seed)}): the seed must be an integer in [0, {limit})")
+    return int(seed)
+
+
+def check_snapshot(snap: Any, keys: tuple[str, ...], env: str) -> None:
+    """A ``ValueError`` naming what is missing when ``snap`` is not a snapshot of ``env`` (from its ``snapshot()``)."""
+    if not isinstance(snap, dict):
+        raise ValueError(f"{env}.restore(...) takes the dict that {env}.snapshot() returned, got {type(snap).__name__}")
+    missing = [k for k in keys if k not in snap]
+    if missing:
+        raise ValueError(f"{env}.restore(...): the snapshot lacks {missing}; pass what {env}.snapshot() returned")
 
 
 def missing_package(package: str, env: str) -> ImportError:

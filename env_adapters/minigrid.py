@@ -37,7 +37,7 @@ import importlib
 from collections import deque
 from typing import Any
 
-from .base import DrawnState, StepResult, missing_package
+from .base import DrawnState, StepResult, check_snapshot, episode_seed, missing_package
 from .prompting import INVALID_PENALTY
 
 __all__ = ["MiniGridAdapter", "TASKS", "MOVES", "VIEWS", "ABSOLUTE"]
@@ -192,8 +192,8 @@ class MiniGridAdapter(DrawnState):
 
     # ---- AgentEnv -------------------------------------------------------------------------------------------
     def reset(self, seed: int | None = None) -> str:
-        seed = self.seed if seed is None else seed
-        self._env.reset(seed=None if seed is None else int(seed))
+        seed = episode_seed(self.seed if seed is None else seed, "minigrid")
+        self._env.reset(seed=seed)
         self._done, self._solved = False, False
         self._state_changed()
         return self.render()
@@ -264,6 +264,7 @@ class MiniGridAdapter(DrawnState):
         return {"env": copy.deepcopy(self._env), "done": self._done, "solved": self._solved}
 
     def restore(self, snap: dict[str, Any]) -> None:
+        check_snapshot(snap, ("env", "done", "solved"), "minigrid")
         self._env = copy.deepcopy(snap["env"])
         self._done, self._solved = snap["done"], snap["solved"]
         self._state_changed()

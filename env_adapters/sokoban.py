@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import DrawnState, StepResult, missing_package
+from .base import DrawnState, StepResult, check_snapshot, episode_seed, missing_package
 from .prompting import INVALID_PENALTY
 
 __all__ = ["SokobanAdapter", "GLYPHS", "ACTIONS"]
@@ -101,7 +101,7 @@ class SokobanAdapter(DrawnState):
 
     # ---- AgentEnv -------------------------------------------------------------------------------------------
     def reset(self, seed: int | None = None) -> str:
-        seed = self.seed if seed is None else seed
+        seed = episode_seed(self.seed if seed is None else seed, "sokoban", limit=2**32)  # numpy.random.seed
         np_state, py_state = np.random.get_state(), random.getstate()
         try:
             if seed is not None:
@@ -153,6 +153,8 @@ class SokobanAdapter(DrawnState):
                 "done": self._done, "solved": self._solved}
 
     def restore(self, snap: dict[str, Any]) -> None:
+        check_snapshot(snap, ("room_state", "room_fixed", "player_position", "box_mapping", "num_env_steps",
+                              "boxes_on_target", "done", "solved"), "sokoban")
         e = self._env
         e.room_state, e.room_fixed = snap["room_state"].copy(), snap["room_fixed"].copy()
         e.player_position = snap["player_position"].copy()

@@ -48,7 +48,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .base import StepResult, missing_package
+from .base import StepResult, check_snapshot, episode_seed, missing_package
 from .prompting import INVALID_PENALTY
 
 __all__ = ["TextWorldAdapter", "game_path", "default_cache_dir"]
@@ -173,7 +173,7 @@ class TextWorldAdapter:
         return TASK + (f"\nYour objective: {self.objective}" if self.objective else "")
 
     def reset(self, seed: int | None = None) -> str:
-        seed = self.seed if seed is None else seed
+        seed = episode_seed(self.seed if seed is None else seed, "textworld")
         if seed is None:
             seed = random.SystemRandom().randrange(2**31)
         self._start(int(seed))
@@ -219,6 +219,7 @@ class TextWorldAdapter:
 
     def restore(self, snap: dict[str, Any]) -> None:
         """Restart the snapshot's game and replay its commands (cost: about 10 ms + 4 ms per command)."""
+        check_snapshot(snap, ("seed", "commands"), "textworld")
         self._start(int(snap["seed"]))
         for cmd in snap["commands"]:
             self._play(cmd)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import credit_plugins as cp
 from credit_plugins.estimators import asct as mod
 from credit_plugins.estimators.asct import centred_q, legal_probs
+from credit_plugins.reference.asct import asct_reference
 from env_adapters.base import StepResult
 from env_adapters.counterfactual import CounterfactualEvaluator
 from env_adapters.minigrid import MiniGridAdapter
@@ -58,7 +59,7 @@ def decision_tables(draw, max_rows=12, max_actions=5):
     return dict(p=p, mask=mask, q=q, chosen=chosen, traj=traj.tolist(), t=t.tolist(), group=(traj % 2).tolist())
 
 
-def reference(d, standardise=True, unbiased=True, eps=EPS):
+def reference(d, standardise=True, unbiased=True, eps=EPS, standardise_over="all_decisions"):
     """A naive per-row loop over the decision table (input order)."""
     raw, informative = [], []
     for p, m, q, c in zip(d["p"], d["mask"], d["q"], d["chosen"]):
@@ -67,6 +68,8 @@ def reference(d, standardise=True, unbiased=True, eps=EPS):
         raw.append(q[c] - v if len(legal) >= 2 else 0.0)
         informative.append(len(legal) >= 2)
     raw, informative = np.array(raw, np.float64), np.array(informative, bool)
+    if standardise_over == "all_decisions":
+        informative = np.ones_like(informative)
     if not standardise:
         return raw
     if informative.sum() < 2:
@@ -96,12 +99,38 @@ HAND = dict(
 def test_hand_computed_raw_and_standardised():
     steps = table(**HAND, traj=[0, 0, 1], t=[0, 1, 0])
     assert mod.ESTIMATOR(steps, standardise=False).tolist() == pytest.approx([0.4, -0.75, 0.0])
-    # two informative rows: mean -.175, unbiased std |.4 - (-.75)| / sqrt(2) = 1.15 / sqrt 2 -> +-1/sqrt(2)
+    # default, over all three decisions (the forced move's raw 0 included): mean -.35/3, unbiased std
+    # sqrt(((.4 + .35/3)^2 + (-.75 + .35/3)^2 + (.35/3)^2) / 2)
+    mean = -0.35 / 3
+    sd = math.sqrt(((0.4 - mean) ** 2 + (-0.75 - mean) ** 2 + mean ** 2) / 2)
+    assert mod.ESTIMATOR(steps).tolist() == pytest.approx([(x - mean) / (sd + EPS) for x in (0.4, -0.75, 0.0)],
+                                                          rel=1e-6)
+    assert mod.ESTIMATOR(steps).tolist() == pytest.approx([0.88499, -1.08483, 0.19984], abs=1e-5)
+    # multi_action: two informative rows: mean -.175, unbiased std |.4 - (-.75)| / sqrt(2) = 1.15 / sqrt 2
+    # -> +-1/sqrt(2); the forced move stays 0
+    multi = dict(standardise_over="multi_action")
     sd = 1.15 / math.sqrt(2)
-    assert mod.ESTIMATOR(steps).tolist() == pytest.approx([0.575 / (sd + EPS), -0.575 / (sd + EPS), 0.0])
+    assert mod.ESTIMATOR(steps, **multi).tolist() == pytest.approx([0.575 / (sd + EPS), -0.575 / (sd + EPS), 0.0])
     # population std: 1.15 / 2 -> +-1
-    assert mod.ESTIMATOR(steps, unbiased=False).tolist() == pytest.approx([1.0, -1.0, 0.0], abs=1e-5)
+    assert mod.ESTIMATOR(steps, unbiased=False, **multi).tolist() == pytest.approx([1.0, -1.0, 0.0], abs=1e-5)
     assert mod.ESTIMATOR(steps).dtype == torch.float32
+
+
+def test_forced_move_is_in_the_standardisation_sample_by_default():  # §7.2 step 6, T7.5: "all collected decisions"
+    # raw credits [.5, .3, 0 (forced)]: Q^ - V^ with p = (.5, .5): Q = (1, 0) -> .5, Q = (.6, 0) -> .3
+    d = dict(p=[[0.5, 0.5], [0.5, 0.5], [1.0, 0.0]], mask=[[True, True], [True, True], [True, False]],
+             q=[[1.0, 0.0], [0.6, 0.0], [0.7, math.nan]], chosen=[0, 0, 0])
+    steps = table(**d)
+    assert mod.ESTIMATOR(steps, standardise=False).tolist() == pytest.approx([0.5, 0.3, 0.0])
+    # mean .8/3, unbiased std sqrt(((.5-.2667)^2 + (.3-.2667)^2 + .2667^2) / 2) = .25166
+    got = mod.ESTIMATOR(steps).tolist()
+    assert got == pytest.approx([0.927169, 0.132453, -1.059622], abs=1e-5)
+    x = torch.tensor(got, dtype=torch.float64)
+    assert float(x.mean()) == pytest.approx(0.0, abs=1e-6) and float(x.std()) == pytest.approx(1.0, abs=1e-5)
+    # the former behaviour, kept under standardise_over="multi_action": statistics over the two multi-action rows
+    assert mod.ESTIMATOR(steps, standardise_over="multi_action").tolist() == pytest.approx(
+        [0.707107, -0.707107, 0.0], abs=1e-5)
+    assert mod.ESTIMATOR.reference_values(steps).tolist() == pytest.approx(got, abs=1e-6)
 
 
 def test_output_is_in_input_order():
@@ -188,10 +217,12 @@ def test_three_actions_the_baseline_can_flip_the_sign():  # §7.4: the choice on
 
 
 @SETTINGS
-@given(decision_tables(), st.booleans())
-def test_standardised_mean_zero_std_one(d, unbiased):  # T7.5, over the multi-action decisions
-    out = run(d, unbiased=unbiased).double()
+@given(decision_tables(), st.booleans(), st.sampled_from(mod.STANDARDISE_OVER))
+def test_standardised_mean_zero_std_one(d, unbiased, over):  # T7.5, over the sample standardise_over names
+    out = run(d, unbiased=unbiased, standardise_over=over).double()
     informative = torch.tensor(d["mask"]).sum(dim=1) >= 2
+    if over == "all_decisions":
+        informative = torch.ones_like(informative)
     raw = torch.tensor(reference(d, standardise=False))
     x = out[informative]
     if len(x) >= 2:
@@ -205,19 +236,23 @@ def test_standardised_mean_zero_std_one(d, unbiased):  # T7.5, over the multi-ac
 
 
 @SETTINGS
-@given(decision_tables(), st.booleans(), st.booleans())
-def test_matches_the_naive_reference(d, standardise, unbiased):
-    out = run(d, standardise=standardise, unbiased=unbiased)
+@given(decision_tables(), st.booleans(), st.booleans(), st.sampled_from(mod.STANDARDISE_OVER))
+def test_matches_the_naive_reference(d, standardise, unbiased, over):
+    out = run(d, standardise=standardise, unbiased=unbiased, standardise_over=over)
     assert out.shape == (len(d["chosen"]),) and out.dtype == torch.float32
-    assert np.allclose(out.double().numpy(), reference(d, standardise, unbiased), atol=1e-4)
+    assert np.allclose(out.double().numpy(), reference(d, standardise, unbiased, standardise_over=over), atol=1e-4)
 
 
 def test_single_legal_action_is_zero():  # §7.4
     d = dict(p=[[1.0, 0.0], [1.0, 0.0], [0.5, 0.5]], mask=[[True, False], [True, False], [True, True]],
              q=[[5.0, 0.0], [-3.0, 0.0], [1.0, 0.0]], chosen=[0, 0, 1])
     assert mod.ESTIMATOR(table(**d), standardise=False).tolist() == pytest.approx([0.0, 0.0, -0.5])
-    # the two forced moves do not take part: one informative row has no spread -> 0 everywhere
-    assert mod.ESTIMATOR(table(**d)).tolist() == [0.0, 0.0, 0.0]
+    # multi_action: the two forced moves do not take part: one informative row has no spread -> 0 everywhere
+    assert mod.ESTIMATOR(table(**d), standardise_over="multi_action").tolist() == [0.0, 0.0, 0.0]
+    # default: all three take part, raw (0, 0, -.5): mean -1/6, unbiased std sqrt(1/12)
+    sd = math.sqrt(1 / 12)
+    assert mod.ESTIMATOR(table(**d)).tolist() == pytest.approx([(1 / 6) / (sd + EPS)] * 2 + [(-1 / 3) / (sd + EPS)],
+                                                               rel=1e-6)
 
 
 def test_probabilities_within_tolerance_are_renormalised():
@@ -241,7 +276,8 @@ def test_estimator_record():
     assert est.name == "asct" and est.output == "step" and est.stateful is None
     assert est.required_fields == ("legal_p", "legal_mask", "q", "chosen") and est.extra_names(False) == ("visits",)
     assert "V^(s)      = sum_{a in A(s)} p_a Q^(s,a)" in est.formula and "arXiv:2609.35215" in est.paper
-    assert "standardise" in est.describe()
+    assert "standardise" in est.describe() and "standardise_over = 'all_decisions'" in est.describe()
+    assert est.reference is asct_reference
     assert est.create(standardise=False)(table(**HAND)).tolist() == pytest.approx([0.4, -0.75, 0.0])
 
 
@@ -324,8 +360,10 @@ def test_missing_extras_and_bad_params():
         mod.ESTIMATOR.make_params(eps=0)
     with pytest.raises(ValueError, match="p_tolerance=2; it must lie in"):
         mod.ESTIMATOR.make_params(p_tolerance=2)
-    with pytest.raises(ValueError, match="standardise='yes'; pass True or False"):
+    with pytest.raises(ValueError, match=r"standardise='yes'.*(pass True or False|must be true or false)"):
         mod.ESTIMATOR.make_params(standardise="yes")
+    with pytest.raises(ValueError, match=r"standardise_over='multi'; choose one of \('all_decisions', "):
+        mod.ESTIMATOR.make_params(standardise_over="multi")
     with pytest.raises(ValueError, match="unknown parameter"):
         mod.ESTIMATOR.make_params(budget=12)
 

@@ -1,5 +1,5 @@
 """Cross-method invariants of the graph estimators, GraphHCA and CRBC (CREDIT.md §10: X2, X3, X6-X13), their
-agreement with the per-row references in ``benchmarks/naive_graph.py``, and the shared solve (``_graph``).
+agreement with their loop references (``credit_plugins/reference/graph.py``), and the shared solve (``_graph``).
 
 Also home of the ``graph_batches`` strategy that ``test_graphhca.py`` and ``test_crbc.py`` import: random small
 deterministic MDPs per group (state keys shared across groups, so group locality is exercised), anchor revisits
@@ -17,7 +17,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import credit_plugins as cp
-from benchmarks.naive_graph import naive_crbc, naive_graphhca
 from credit_plugins.estimators import _graph, crbc, gigpo, graphhca
 
 GRAPHHCA, CRBC, GRPO = cp.get("graphhca"), cp.get("crbc"), cp.get("grpo")
@@ -316,22 +315,24 @@ CRBC_PARAMS = st.fixed_dictionaries({}, optional={
 @given(graph_batches(), GRAPHHCA_PARAMS)
 def test_graphhca_matches_per_row_reference(rows, params):
     out = GRAPHHCA(table(rows), **params)
-    assert np.allclose(out.numpy(), naive_graphhca(rows, **params), atol=1e-5, rtol=1e-5)
+    assert np.allclose(out.numpy(), GRAPHHCA.reference_values(table(rows), **params).numpy(), atol=1e-5, rtol=1e-5)
 
 
 @settings(max_examples=30, deadline=None)
 @given(graph_batches(max_groups=2), st.sampled_from([2.0, 5.0, float("inf")]), st.sampled_from([0.5, 0.9]))
 def test_graphhca_power_mean_matches_per_row_iteration(rows, omega, gamma):
-    # the reference iterates the nonlinear backup itself; the estimator solves the linear system in Phi^omega
+    # the reference solves Phi^omega per group in decimals (omega = inf: max-backup sweeps); the estimator solves
+    # the system scaled by gamma^d(s), or takes gamma^d(s) itself
     out = GRAPHHCA(table(rows), omega=omega, gamma=gamma)
-    assert np.allclose(out.numpy(), naive_graphhca(rows, omega=omega, gamma=gamma), atol=1e-5, rtol=1e-5)
+    want = GRAPHHCA.reference_values(table(rows), omega=omega, gamma=gamma)
+    assert np.allclose(out.numpy(), want.numpy(), atol=1e-5, rtol=1e-5)
 
 
 @settings(max_examples=80, deadline=None)
 @given(graph_batches(), CRBC_PARAMS)
 def test_crbc_matches_per_row_reference(rows, params):
     out = CRBC(table(rows), **params)
-    assert np.allclose(out.numpy(), naive_crbc(rows, **params), atol=1e-5, rtol=1e-5)
+    assert np.allclose(out.numpy(), CRBC.reference_values(table(rows), **params).numpy(), atol=1e-5, rtol=1e-5)
 
 
 @settings(**SETTINGS)
@@ -351,10 +352,10 @@ def test_empty_batch_gives_empty_output():
     assert GRAPHHCA(steps).shape == (0,) and CRBC(steps).shape == (0,)
 
 
-def test_reference_row_format_accepts_string_keys_and_defaults():
+def test_references_accept_string_keys_and_default_flags():
     rnd = random.Random(0)
     rows = [dict(group="g", traj=f"r{i}", t=0, state="start", action=rnd.choice(["go", "look"]),
                  reward=10.0 * (i % 2)) for i in range(4)]   # no success/truncated keys: success = return > 0
     steps = cp.StepTable(**{k: [r[k] for r in rows] for k in ("group", "traj", "t", "state", "action", "reward")})
-    assert np.allclose(GRAPHHCA(steps).numpy(), naive_graphhca(rows), atol=1e-5)
-    assert np.allclose(CRBC(steps).numpy(), naive_crbc(rows), atol=1e-5)
+    assert np.allclose(GRAPHHCA(steps).numpy(), GRAPHHCA.reference_values(steps).numpy(), atol=1e-5)
+    assert np.allclose(CRBC(steps).numpy(), CRBC.reference_values(steps).numpy(), atol=1e-5)

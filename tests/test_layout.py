@@ -103,3 +103,11 @@ def test_the_record_is_validated():
                     extras=(Extra("a", "tree"), Extra("b", "turns", required=False)))
     assert est.required_fields == ("state", "a") and est.sources() == {"tree"}
     assert est.sources(required=None) == {"tree", "turns"} and est.reads("b") and not est.reads("c")
+
+
+def test_every_estimator_has_a_loop_reference_beside_it():
+    """torchrl keeps generalized_advantage_estimate next to vec_generalized_advantage_estimate; so do we."""
+    for name in cp.available():
+        ref = cp.get(name).reference
+        assert ref is not None, name
+        assert ref.__module__.startswith("credit_plugins.reference."), (name, ref.__module__)

@@ -402,3 +402,29 @@ def test_recipe_bf16_auto_resolves_and_an_override_forces_it():
     with pytest.raises(RecipeError, match="sampling_seed must be an integer"):
         load_recipe(DEMO, ["agentcredit.eval.sampling_seed=x"], validate_trl=False)
 
+
+
+@pytest.mark.parametrize("override,match", [
+    ("agentcredit.rollout=[1]", r"agentcredit.rollout must be a string"),
+    ("agentcredit.credit=7", r"agentcredit.credit must be a string"),
+    ("agentcredit.eval.temperature=.nan", r"agentcredit.eval.temperature must be > 0, got nan"),
+    ("learning_rate=fast", r"learning_rate must be a float .* got 'fast'"),
+    ("learning_rate=.nan", r"learning_rate must be finite"),
+    ("agentcredit.credit_params.step_weight='0.5'", r"credit_params: .*step_weight='0.5': must be a number"),
+    ("agentcredit.credit_params.step_weight=.nan", r"credit_params: .*step_weight=nan: must be a finite number"),
+    ("agentcredit.env_options.size=100000000", r"agentcredit.env_options .* too large"),
+])
+def test_hostile_recipe_values_are_recipe_errors_naming_the_key(override, match):
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(DEMO, [override])
+
+
+def test_a_huge_batch_that_does_not_divide_lists_the_fitting_sizes():
+    """The divisors come from a search up to sqrt(rows) (it was every integer below the batch: ~30 minutes here)."""
+    from agentcredit.recipe import _micro_batches_that_fit
+
+    with pytest.raises(RecipeError, match=r"Values that fit: \[1, 2, 4, 5, 8"):
+        load_recipe(DEMO, ["agentcredit.max_turns=1000000000", "per_device_train_batch_size=7"], build_env=False)
+    assert _micro_batches_that_fit(96, 1) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96]
+    assert _micro_batches_that_fit(96, 2) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 48] and _micro_batches_that_fit(9, 2) == []
+    assert _micro_batches_that_fit(2 * 3**20, 1, most=4) == [1, 2, 3, 6]

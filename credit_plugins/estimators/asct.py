@@ -60,6 +60,7 @@ from dataclasses import dataclass
 import torch
 
 from ..estimator import Estimator, Extra, param
+from ..reference.asct import asct_reference
 from ..steptable import StepTable
 
 __all__ = ["ASCTParams", "ESTIMATOR", "legal_probs", "centred_q", "actor_centred_credit", "standardise_decisions",
@@ -283,6 +284,7 @@ def asct(steps: StepTable, p: ASCTParams) -> torch.Tensor:
 ESTIMATOR = Estimator(
     name="asct",
     fn=asct,
+    reference=asct_reference,
     params=ASCTParams,
     paper="Li, Yang, Liu, Wan, et al. 2026, ASCT: Attentive Search over Counterfactual Trees for Credit Assignment "
           "in Agentic RL (arXiv:2609.35215)",

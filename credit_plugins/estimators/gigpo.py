@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..estimator import Estimator, param
+from ..reference.gigpo import gigpo_reference
 from ..segments import group_normalise
 from ..steptable import StepTable
 from .grpo import EPISODE_STATS, episode_advantage
@@ -74,4 +75,5 @@ ESTIMATOR = Estimator(
     paper="Feng, Xue, Liu, An 2025, Group-in-Group Policy Optimization for LLM Agent Training (arXiv:2505.10978)",
     formula=__doc__.split("\n\n")[2],
     requires=("state",),
+    reference=gigpo_reference,
 )

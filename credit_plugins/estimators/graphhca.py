@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from ..estimator import Estimator, param
+from ..reference.graph import graphhca_reference
 from ..segments import segment_standardise
 from ..steptable import StepTable
 from ._graph import TransitionGraph, distance_to_success, solve, transition_graph
@@ -64,7 +65,7 @@ class GraphHCAParams:
     step_weight: float = param(1.0, "Weight w_s of the step term A^s (Eq. 12). 0 gives the trajectory term "
                                "(GRPO, zero-variance and singleton groups -> 0) exactly.")
     omega: float = param(1.0, "Power-mean exponent of the backup (Eq. 16), >= 1: 1 is GraphHCA (the expectation), "
-                         "float('inf') the max backup gamma^d(s) (GraphGPO-like).")
+                         "float('inf') the max backup gamma^d(s) (GraphGPO-like).", allow_inf=True)
     step_std: str = param("population", "Std of Eq. 11 over B_s: 'population' (ddof=0, the third-party kernel) "
                           "or 'sample' (ddof=1). The paper does not say.")
 
@@ -177,4 +178,5 @@ ESTIMATOR = Estimator(
           "Long-Horizon LLM Agents (arXiv:2609.35084)",
     formula=__doc__.split("\n\n")[2],
     requires=("state",),
+    reference=graphhca_reference,
 )

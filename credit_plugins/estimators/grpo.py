@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..estimator import Estimator, param
+from ..reference.gigpo import grpo_reference
 from ..segments import group_normalise
 from ..steptable import StepTable
 
@@ -65,4 +66,5 @@ ESTIMATOR = Estimator(
     params=GRPOParams,
     paper="Shao et al. 2024, DeepSeekMath (arXiv:2402.03300); verl compute_grpo_outcome_advantage",
     formula=__doc__.split("\n\n")[2],
+    reference=grpo_reference,
 )

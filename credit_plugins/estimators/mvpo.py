@@ -26,24 +26,30 @@ the milestone weights ``w`` persist across batches: :class:`MVPO` holds them (``
 
 Inputs: ``state`` (anchor), ``extras['signature']`` [S] (required; any hashable per row, e.g. ALFWorld's
 ``kitchen|apple+knife|d6``; build the depth part with :func:`depth_bin`), ``extras['milestones']`` [S, M] in {0, 1}
-(optional: without it the milestone term is 0, ``w`` is not updated, and only Sbar/Lbar drive Eq. 15, only
--delta r_loop drives Eq. 29), ``extras['loop_flag']`` [S] in {0, 1} (optional, default 0). Signature and milestone
-parsers (App. A.3) are env-side and live in the env adapters.
+(optional: without it the milestones count as all 0: the milestone term is 0, ``w`` gets Eq. 13 with u = 0, and
+only Sbar/Lbar drive Eq. 15, only -delta r_loop drives Eq. 29), ``extras['loop_flag']`` [S] in {0, 1} (optional,
+default 0). Signature and milestone parsers (App. A.3) are env-side and live in the env adapters.
 
 Decisions on what the paper leaves open (spec §6.2, §15 item 5); each is a parameter where it is a constant:
 
 * Union-Find scope: per task group; nodes are the distinct (group, signature); no MergeRule beyond exact equality.
-  Cycle rule (Eq. 28): for two visits of one region in one trajectory at t' < t, every region on rows t'..t is
-  merged, repeated until no trajectory re-enters a region it left (the closure). The closure is the unique
-  finest such partition, so the result is idempotent and order-independent (T6.5); one pass on raw signature
-  equality would not be (a merge can create a new revisit). Each pass is the connected components of the region
-  graph whose edges are the row-to-row links inside a revisit interval, over the trajectories the previous pass
-  touched (4-5 passes, the later ones on a few % of the rows, on the 10^6-row synthetic ALFWorld batch).
+  Cycle rule (Eq. 28), read as a true closure: for two visits of one region in one trajectory at t' < t, every
+  region on rows t'..t is merged, repeated over *all* trajectories until no trajectory re-enters a region it
+  left. Spec §6.2 item 3 reads as a single scan of the raw signatures; we take its closure instead because T6.5
+  asks for idempotence and order independence, and a single scan has neither: a merge can create a new revisit
+  (a = X Y X merges {X, Y}; then b = X Z Y re-enters it, so Z joins; and so on down a chain of trajectories).
+  The closure is the unique finest partition, coarser than (group, signature), in which each region's visits
+  form one contiguous run per trajectory; so regions of regions are the same regions, whatever the row order or
+  labels. Each pass is the connected components of the region graph whose edges are the row-to-row links inside a
+  revisit interval, over every trajectory with a row in a region that the previous pass merged (the only ones
+  that can re-enter a region now); the passes stop when one merges nothing.
 * AMP (Eq. 12): Y = final success of the row's trajectory; E(.) over the step rows of the whole batch (the weights
-  are global, X11); u_m = 0 when h_m is constant over the batch. ``beta_amp = 0.1`` (the spec's suggestion). When
-  sum(u) = 0 (e.g. an all-fail batch, MVPO's target regime) the weights are kept instead of decaying by
-  (1 - beta_amp): a batch with no milestone contrast carries no evidence against them. The weights are updated
-  with the current batch *before* its potential is computed (the order of Alg. 1 / spec §6.2).
+  are global, X11); u_m = 0 when h_m is constant over the batch, and a batch without ``milestones`` counts as
+  all-zero milestones (u = 0). ``beta_amp = 0.1`` (the spec's suggestion). When sum(u) = 0 (no milestone separates
+  success from failure: an all-fail batch, MVPO's target regime, or an all-success one) ``amp_zero_sum`` decides:
+  ``"eq13"`` (default, Eq. 13 as written) gives w <- (1 - beta_amp) w, ``"keep"`` leaves w unchanged. We
+  recommend ``"keep"`` for training (see :func:`amp_update`); the default follows the paper. The weights are
+  updated with the current batch *before* its potential is computed (the order of Alg. 1 / spec §6.2).
 * Eq. 15: ``alpha_s = alpha_l = 1``; Norm = z-score (unbiased std + eps) over the regions of the task group (each
   region one sample); a group whose regions all have one raw value (or with one region) gets Phi = 0.
   Sbar(c) is the success fraction of the distinct trajectories visiting c; hbar, Lbar are visit means.
@@ -81,16 +87,18 @@ import torch
 from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
 
-from ..estimator import Estimator, Extra, make_params, param
+from ..estimator import Estimator, Extra, StatefulEstimator, make_params, param
+from ..reference.mvpo import mvpo_reference
 from ..segments import dense_ids, discounted_cumsum, segment_mean_std, segment_standardise, segment_sum
 from ..steptable import StepTable
 from .gigpo import step_advantage
 from .grpo import EPISODE_STATS, episode_advantage
 
 __all__ = ["MVPOParams", "MVPO", "MVPOTerms", "ESTIMATOR", "depth_bin", "kappa_schedule", "amp_utilities",
-           "amp_update", "viability_regions", "mvpo_terms", "initial_state"]
+           "amp_update", "viability_regions", "mvpo_terms", "initial_state", "AMP_ZERO_SUM"]
 
 POTENTIAL_FORMS = ("eq15", "eq29")
+AMP_ZERO_SUM = ("eq13", "keep")
 TERMINAL_POTENTIALS = ("hold", "outcome")
 W0 = (0.2, 0.3, 0.5, 10.0, 0.0)  # App. A.3: ALFWorld / WebShop milestone weights
 SPREAD_TOL = 1e-9  # relative spread below which a z-scored set is flat (module docstring, Numerics)
@@ -120,6 +128,9 @@ class MVPOParams:
     milestone_weights: tuple[float, ...] = param(W0, "Initial milestone weights w_0 (App. A.3); their number M "
                                                  "must equal the width of extras['milestones'].")
     beta_amp: float = param(0.1, "EMA rate of the AMP milestone weights (Eq. 13) [RECON].")
+    amp_zero_sum: str = param("eq13", "Eq. 13 when no milestone has utility (sum u = 0, e.g. an all-fail batch): "
+                              "'eq13' w <- (1 - beta_amp) w as written; 'keep' leaves w unchanged (recommended "
+                              "for training, see amp_update).")
     # ---- potential ----
     potential_form: str = param("eq15", "'eq15': Norm(w.hbar + alpha_s Sbar - alpha_l Lbar); 'eq29': "
                                 "pbar + delta (r_rec - r_loop) [DISCREPANCY in the paper].")
@@ -160,6 +171,8 @@ class MVPOParams:
         if not self.milestone_weights or not all(math.isfinite(w) and w >= 0 for w in self.milestone_weights):
             raise ValueError(f"milestone_weights={self.milestone_weights}; give at least one finite weight, "
                              f"each >= 0 (AMP utilities are clipped at 0)")
+        if self.amp_zero_sum not in AMP_ZERO_SUM:
+            raise ValueError(f"amp_zero_sum={self.amp_zero_sum!r}; choose one of {AMP_ZERO_SUM}")
         if self.potential_form not in POTENTIAL_FORMS:
             raise ValueError(f"potential_form={self.potential_form!r}; choose one of {POTENTIAL_FORMS}")
         if self.terminal_potential not in TERMINAL_POTENTIALS:
@@ -201,12 +214,29 @@ def amp_utilities(milestones: torch.Tensor, y: torch.Tensor) -> list[float]:
     return out
 
 
-def amp_update(weights: list[float], utilities: list[float], beta_amp: float, eps: float) -> list[float]:
-    """Eq. 13: ``w <- (1 - beta) w + beta u / (sum u + eps)``; kept unchanged when ``sum u = 0`` (module docstring)."""
+def amp_update(weights: list[float], utilities: list[float], beta_amp: float, eps: float,
+               zero_sum: str = "eq13") -> list[float]:
+    """Eq. 13: ``w <- (1 - beta) w + beta u / (sum u + eps)``.
+
+    When ``sum u = 0`` (no milestone separates success from failure: an all-fail or all-success batch, or
+    milestones constant over the batch) ``zero_sum`` decides: ``"eq13"`` applies Eq. 13 as written, which gives
+    ``(1 - beta) w``; ``"keep"`` returns ``w`` unchanged.
+
+    ``"eq13"`` is the default because it is what the paper writes. We recommend ``"keep"`` for training. A batch
+    with ``sum u = 0`` carries no evidence about which milestone matters, but Eq. 13 treats it as evidence that
+    none does. All-fail batches are MVPO's target regime (early training), so over a run of k of them w shrinks
+    to ``(1 - beta)^k w`` (beta 0.1: 12% after 20 batches, 0.5% after 50). Under Eq. 15 the milestone term then
+    fades against ``alpha_l Lbar`` (``Sbar`` is 0 in an all-fail group) exactly where milestones are the only
+    progress signal. And after such a run the first batch with a contrast sets w to about ``beta u / sum u``, so
+    the prior w_0 is lost to one batch's utilities. (Eq. 29's potential does not change under a common positive
+    scale of w, so there only that last point applies.)
+    """
+    if zero_sum not in AMP_ZERO_SUM:
+        raise ValueError(f"zero_sum={zero_sum!r}; choose one of {AMP_ZERO_SUM}")
     total = 0.0
     for u in utilities:
         total += u
-    if total <= 0:
+    if total <= 0 and zero_sum == "keep":
         return list(weights)
     return [(1.0 - beta_amp) * w + beta_amp * u / (total + eps) for w, u in zip(weights, utilities)]
 
@@ -218,12 +248,15 @@ def viability_regions(group: torch.Tensor, traj: torch.Tensor, signature: torch.
     Rows must be sorted by ``(traj, t)`` (a StepTable's order); ``group`` and ``traj`` are dense ids. Regions start
     as the distinct ``(group, signature)``; for two consecutive visits of one region in one trajectory at rows
     p < q, the links p->p+1, ..., q-1->q join every region in between (the cycle rule). Each pass takes the
-    connected components of those links; passes repeat, on the trajectories a merge touched, until one merges
-    nothing. With ``return_first_visit``, also the [S] bool mask of each trajectory's first row in each region.
+    connected components of those links; passes repeat, on every trajectory with a row in a region the pass
+    merged, until one merges nothing: the closure (module docstring), so the result is idempotent
+    (``viability_regions(group, traj, region)`` gives the same partition) and independent of row order and labels.
+    With ``return_first_visit``, also the [S] bool mask of each trajectory's first row in each region.
     """
     _, sig_ids = torch.unique(signature, return_inverse=True)
     region, n_regions = dense_ids(group * (int(sig_ids.max()) + 1 if sig_ids.numel() else 1) + sig_ids)
     s = region.numel()
+    n_traj = int(traj[-1]) + 1 if s else 0
     first_visit = torch.ones(s, dtype=torch.bool)
     rows = None  # the rows of the trajectories still to scan, in (traj, t) order; None = all
     while rows is None or rows.numel() > 1:
@@ -248,13 +281,13 @@ def viability_regions(group: torch.Tensor, traj: torch.Tensor, signature: torch.
         n_new, labels = connected_components(graph, directed=True, connection="weak")
         labels = torch.from_numpy(labels.astype(np.int64))
         merged = torch.bincount(labels, minlength=n_new)[labels] > 1  # [old region] it joined another one
+        # a trajectory can re-enter a region only if one of its regions grew: rescan every such trajectory, not
+        # only the scanned ones (a trajectory untouched so far can meet a region that grew in this pass)
+        touched = torch.zeros(n_traj, dtype=torch.bool)
+        touched[traj[merged[region]]] = True
         region = labels[region]
         n_regions = int(n_new)
-        # only trajectories with a row in a merged region can re-enter a region now
-        touched = torch.zeros(int(traj[-1]) + 1, dtype=torch.bool)
-        touched[tr[merged[reg]]] = True
-        keep = touched[tr]
-        rows = keep.nonzero().reshape(-1) if rows is None else rows[keep]
+        rows = touched[traj].nonzero().reshape(-1)
     if return_first_visit:
         return region, n_regions, first_visit
     return region, n_regions
@@ -385,8 +418,9 @@ def mvpo_terms(steps: StepTable, p: MVPOParams, state: dict[str, Any]) -> tuple[
         init = state["success_init"]
     kappa = kappa_schedule(ema, init, p.kappa_min, p.eps) if p.kappa is None else float(p.kappa)
     # step 5: AMP utilities and weights
-    if ms is not None:
-        weights = amp_update(weights, amp_utilities(ms.t(), success), p.beta_amp, p.eps)
+    # (no milestones block = all-zero milestones: u = 0, and amp_zero_sum decides as for any zero-sum batch)
+    utilities = amp_utilities(ms.t(), success) if ms is not None else [0.0] * len(weights)
+    weights = amp_update(weights, utilities, p.beta_amp, p.eps, zero_sum=p.amp_zero_sum)
 
     # step 1: GiGPO terms
     a_epi = episode_advantage(steps, norm_std=p.norm_std, eps=p.eps, episode_stats=p.episode_stats)
@@ -437,7 +471,7 @@ def mvpo_terms(steps: StepTable, p: MVPOParams, state: dict[str, Any]) -> tuple[
     return terms, new_state
 
 
-class MVPO:
+class MVPO(StatefulEstimator):
     """MVPO with its cross-batch state. ``est = MVPO(step_weight=0.5)`` (or ``get("mvpo").create(...)``), then
     ``adv = est(steps)`` once per training batch; ``est.state_dict()`` goes into the checkpoint.
 
@@ -447,6 +481,10 @@ class MVPO:
 
     STATE_DOC = "the success EMA sbar and its initial value s_0 (kappa schedule, Eq. 20) and the AMP milestone weights w"
     STATE_KEYS = ("batches", "success_ema", "success_init", "milestone_weights", "kappa")
+    STATE_SCHEMA = {"batches": (int, {"low": 0, "high": 2**63 - 1}),
+                    "success_ema": (float | None, {"low": 0.0, "high": 1.0}),
+                    "success_init": (float | None, {"low": 0.0, "high": 1.0}),
+                    "milestone_weights": (list[float], {}), "kappa": (float, {"low": 0.0, "high": 1.0})}
 
     def __init__(self, params: MVPOParams | None = None, **values: Any):
         if params is not None and values:
@@ -476,12 +514,11 @@ class MVPO:
                 "milestone_weights": [float(w) for w in s["milestone_weights"]], "kappa": float(s["kappa"])}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing = [k for k in self.STATE_KEYS if k not in state]
-        extra = sorted(set(state) - set(self.STATE_KEYS))
-        if missing or extra:
-            raise ValueError(f"MVPO.load_state_dict: missing keys {missing}, unexpected keys {extra}; expected "
-                             f"{list(self.STATE_KEYS)} (a dict from MVPO.state_dict())")
+        state = self.check_state(state)  # keys, types, finiteness, ranges (STATE_SCHEMA)
         weights = [float(w) for w in state["milestone_weights"]]
+        if any(w < 0 for w in weights):
+            raise ValueError(f"MVPO.load_state_dict: milestone_weights={weights} has a negative weight; AMP weights "
+                             f"stay >= 0 (T6.7)")
         if len(weights) != len(self.params.milestone_weights):
             raise ValueError(f"MVPO.load_state_dict: {len(weights)} milestone weights, but these params have "
                              f"M={len(self.params.milestone_weights)}")
@@ -517,4 +554,5 @@ ESTIMATOR = Estimator(
     extras=(Extra("signature", "env"), Extra("milestones", "env", required=False),
             Extra("loop_flag", "env", required=False)),
     stateful=MVPO,
+    reference=mvpo_reference,
 )

@@ -65,7 +65,8 @@ from typing import Any
 
 import torch
 
-from ..estimator import Estimator, Extra, make_params, param
+from ..estimator import Estimator, Extra, StatefulEstimator, make_params, param
+from ..reference.trees import at2po_reference, sipo_reference
 from ..steptable import StepTable
 from ..trees import CHILD_WEIGHTS, Forest, _int_column, blom, build_forest, child_weights, leaf_zscore, sfc_scores
 
@@ -309,7 +310,7 @@ def sipo_terms(steps: StepTable, p: SIPOParams, a2: float | None) -> SIPOTerms:
                      n_leaves=int(forest.is_leaf.sum()))
 
 
-class SIPO:
+class SIPO(StatefulEstimator):
     """SIPO with its cross-batch a2. ``est = SIPO(postsel_correction_weight=1.0)`` (or ``get("sipo").create(...)``),
     then ``adv = est(steps)`` once per training batch; ``est.state_dict()`` goes into the checkpoint.
 
@@ -320,6 +321,8 @@ class SIPO:
 
     STATE_DOC = "the selection-outcome coefficient a2 estimated on the previous batch (order-statistic correction)"
     STATE_KEYS = ("a2", "a2_candidates", "batches")
+    STATE_SCHEMA = {"a2": (float | None, {}), "a2_candidates": (int, {"low": 0, "high": 2**63 - 1}),
+                    "batches": (int, {"low": 0, "high": 2**63 - 1})}
 
     def __init__(self, params: SIPOParams | None = None, **values: Any):
         if params is not None and values:
@@ -354,18 +357,8 @@ class SIPO:
                 "batches": int(s["batches"])}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing = [k for k in self.STATE_KEYS if k not in state]
-        extra = sorted(set(state) - set(self.STATE_KEYS))
-        if missing or extra:
-            raise ValueError(f"SIPO.load_state_dict: missing keys {missing}, unexpected keys {extra}; expected "
-                             f"{list(self.STATE_KEYS)} (a dict from SIPO.state_dict())")
+        state = self.check_state(state)  # keys, types, finiteness, ranges (STATE_SCHEMA)
         a2 = state["a2"]
-        if a2 is not None and not (isinstance(a2, (int, float)) and math.isfinite(a2)):
-            raise ValueError(f"SIPO.load_state_dict: a2={a2!r}; it must be a finite float or None")
-        for key in ("a2_candidates", "batches"):
-            v = state[key]
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"SIPO.load_state_dict: {key}={v!r}; it must be an integer >= 0")
         self._state = {"a2": None if a2 is None else float(a2), "a2_candidates": int(state["a2_candidates"]),
                        "batches": int(state["batches"])}
 
@@ -387,6 +380,7 @@ _PARAS = [textwrap.dedent(para) for para in __doc__.split("\n\n")]
 AT2PO_ESTIMATOR = Estimator(
     name="at2po",
     fn=at2po,
+    reference=at2po_reference,
     params=AT2POParams,
     paper="Zong et al. 2026, AT²PO: Agentic Turn-based Policy Optimization via Tree Search (arXiv:2601.04767)",
     formula=_PARAS[2] + "\nextras: parent [S] int64 (-1 = child of the prompt), surprisal [S] float",
@@ -396,6 +390,7 @@ AT2PO_ESTIMATOR = Estimator(
 ESTIMATOR = Estimator(
     name="sipo",
     fn=sipo,
+    reference=sipo_reference,
     params=SIPOParams,
     paper="Fu, Chen, Jia et al. 2026, SIPO: Selective-Inference Policy Optimization for Tree-Structured Agentic RL "
           "(arXiv:2609.34805)",

@@ -72,14 +72,14 @@ Decisions where the spec is open ([R]):
 """
 
 import math
-import numbers
 import textwrap
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..estimator import Estimator, Extra, make_params, param
+from ..estimator import Estimator, Extra, StatefulEstimator, make_params, param
+from ..reference.opsd import uniopsd_reference
 from ..segments import segment_sum
 from ..steptable import StepTable
 from .gigpo import step_advantage
@@ -400,7 +400,7 @@ def batch_stats(terms: UniOPSDTerms, p: UniOPSDParams, state: dict[str, Any]) ->
     return {f"uniopsd/{k}": float(v) for k, v in stats.items()}
 
 
-class UniOPSD:
+class UniOPSD(StatefulEstimator):
     """UniOPSD with its cross-batch state. ``est = UniOPSD(lam0=0.5)`` (or ``get("uniopsd").create(...)``), then
     ``adv = est(steps)`` once per training batch (``[S, L]`` float32, input order); ``est.state_dict()`` goes into
     the checkpoint. After each call :attr:`stats` holds the §7.3 diagnostics (``uniopsd/...``).
@@ -408,6 +408,8 @@ class UniOPSD:
 
     STATE_DOC = "the correlation EMA rhobar of A^S and A^O with its row count n_prev (trust c*) and the batch counter m"
     STATE_KEYS = ("step", "rho_ema", "n_prev")
+    STATE_SCHEMA = {"step": (int, {"low": 0, "high": 2**63 - 1}), "rho_ema": (float | None, {"low": -1.0, "high": 1.0}),
+                    "n_prev": (int, {"low": 0, "high": 2**63 - 1})}
 
     def __init__(self, params: UniOPSDParams | None = None, **values: Any):
         if params is not None and values:
@@ -433,19 +435,8 @@ class UniOPSD:
                 "n_prev": int(s["n_prev"])}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing = [k for k in self.STATE_KEYS if k not in state]
-        extra = sorted(set(state) - set(self.STATE_KEYS))
-        if missing or extra:
-            raise ValueError(f"UniOPSD.load_state_dict: missing keys {missing}, unexpected keys {extra}; expected "
-                             f"{list(self.STATE_KEYS)} (a dict from UniOPSD.state_dict())")
+        state = self.check_state(state)  # keys, types, finiteness, ranges (STATE_SCHEMA)
         step, rho, n_prev = state["step"], state["rho_ema"], state["n_prev"]
-        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-            raise ValueError(f"UniOPSD.load_state_dict: step={step!r}; it is the number of batches seen, an int >= 0")
-        if isinstance(n_prev, bool) or not isinstance(n_prev, numbers.Integral) or n_prev < 0:
-            raise ValueError(f"UniOPSD.load_state_dict: n_prev={n_prev!r}; it is a row count, an int >= 0")
-        if rho is not None and not (isinstance(rho, (int, float)) and -1.0 <= float(rho) <= 1.0):
-            raise ValueError(f"UniOPSD.load_state_dict: rho_ema={rho!r}; it is a correlation in [-1, 1], or None "
-                             f"before the first measurement")
         self._state = {"step": int(step), "rho_ema": None if rho is None else float(rho), "n_prev": int(n_prev)}
 
     def reset(self) -> None:
@@ -472,4 +463,5 @@ ESTIMATOR = Estimator(
     extras=tuple(Extra(n, "hindsight") for n in EXTRAS),
     output="token",
     stateful=UniOPSD,
+    reference=uniopsd_reference,
 )

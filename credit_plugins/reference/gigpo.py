@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from ..estimators.gigpo import GiGPOParams
     from ..estimators.grpo import GRPOParams
 
-__all__ = ["grpo_reference", "gigpo_reference"]
+__all__ = ["gigpo_reference", "grpo_reference"]
 
 
 def _mean_std(xs: list[float]) -> tuple[float, float]:

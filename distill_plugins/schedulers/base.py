@@ -31,6 +31,7 @@ from __future__ import annotations
 import abc
 import copy
 import dataclasses
+import math
 import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -38,11 +39,28 @@ from typing import Any, ClassVar
 
 import torch
 
-from credit_plugins.estimator import describe_params, make_params, param
+from credit_plugins.estimator import check_value, describe_params, make_params, param
 
 __all__ = ["ScheduleOutput", "LossScheduler", "SchedulerSpec", "param", "COMBINE_MODES"]
 
 COMBINE_MODES = ("advantage", "loss")
+
+
+def _check_finite(value: Any, where: str) -> None:
+    """Every number in a saved scheduler state (nested dicts/lists) is finite and every int fits in int64: a NaN
+    there would turn every later weight into NaN."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _check_finite(v, f"{where}[{k!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_finite(v, f"{where}[{i}]")
+    elif isinstance(value, bool) or value is None or isinstance(value, str):
+        return
+    elif isinstance(value, int) and not -(2**63) <= value < 2**63:
+        raise ValueError(f"{where} = {value} does not fit in int64")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where} = {value!r}; a saved state holds finite numbers only")
 
 
 @dataclass(frozen=True)
@@ -174,6 +192,11 @@ class LossScheduler(abc.ABC):
         missing = sorted(set(self.initial_state()) - set(state["state"]))
         if missing:
             raise ValueError(f"scheduler {self.name!r}: state is missing {missing} ({self.STATE_DOC})")
+        for part in ("state", "state_before"):
+            _check_finite(state[part], f"scheduler {self.name!r}: load_state_dict {part}")
+        if state["last_step"] is not None:
+            check_value("last_step", state["last_step"], int, {"low": -1, "high": 2**63 - 1},
+                        f"scheduler {self.name!r}: load_state_dict")
         self._last_step = None if state["last_step"] is None else int(state["last_step"])
         self._state = copy.deepcopy(dict(state["state"]))
         self._state_before = None if state["state_before"] is None else copy.deepcopy(dict(state["state_before"]))
