@@ -2,10 +2,17 @@
 
     python benchmarks/credit_speed.py                    # S = 1e4, 1e5, 1e6 step rows, every estimator
     python benchmarks/credit_speed.py --sizes 10000 --estimators gigpo
+    python benchmarks/credit_speed.py --shape one-group    # GraphHCA and CRBC on one large task group
 
 The batch is ALFWorld-shaped: groups of 8 rollouts from one initial state, each a random walk of 5-50 steps on
 that task's small state graph (so anchors recur across rollouts and within one), about 1/3 successful with the
 10/0 reward at the last step. Keys are int64 (hashing strings is the env adapter's cost, not the estimator's).
+
+``--shape one-group`` is one task group of S/20 rollouts of 20 steps whose states are drawn uniformly from S/10
+values, and ``--shape long`` one group of 10 rollouts of S/10 steps (same state draw): the rollouts keep meeting,
+so each group's graph is one strongly connected component of ~S/10 nodes (the case a sparse LU fills in to ~n^2).
+They time the graph estimators by default, without the per-row column (the loop references solve each group
+densely, O(n^3)) and without the second table.
 
 A second table times the estimators that read rollout-specific extras, each on a batch of its own layout with
 about S rows, and prints the ratio to GiGPO on the flat batch of the same S in the same run (no per-row reference
@@ -72,6 +79,31 @@ def alfworld_like_batch(n_rows: int, seed: int = 0, group_size: int = 8, max_len
     loop_flag = (rng.random(traj.size) < 0.05).astype(np.int64)
     return dict(group=group, traj=traj, t=t, state=state, action=action, reward=reward, success=success,
                 truncated=truncated, extras=dict(signature=signature, milestones=milestones, loop_flag=loop_flag))
+
+
+def one_group_batch(n_rows: int, seed: int = 0, traj_len: int = 20, n_rollouts: int | None = None):
+    """Columns of one task group with ``n_rows`` step rows: rollouts of ``traj_len`` steps (or ``n_rollouts``
+    rollouts of ``n_rows / n_rollouts`` steps), states uniform over ``n_rows / 10`` values, ~35% successful."""
+    rng = np.random.default_rng(seed)
+    if n_rollouts is not None:
+        traj_len = max(1, n_rows // n_rollouts)
+    n_traj = max(1, n_rows // traj_len)
+    traj = np.repeat(np.arange(n_traj), traj_len)
+    t = np.tile(np.arange(traj_len), n_traj)
+    state = rng.integers(0, max(1, traj.size // 10), size=traj.size)
+    success = (rng.random(n_traj) < 0.35)[traj]
+    last = t == traj_len - 1
+    milestones = np.zeros((traj.size, 5))   # MVPO's extras, as in alfworld_like_batch (success flag only)
+    milestones[:, 3] = last & success
+    return dict(group=np.zeros(traj.size, dtype=np.int64), traj=traj, t=t, state=state,
+                action=rng.integers(0, 3, size=traj.size), reward=np.where(last & success, 10.0, 0.0),
+                success=success, truncated=np.zeros(traj.size, dtype=bool),
+                extras=dict(signature=(state % 12) * 100 + 3 * (t // 3), milestones=milestones,
+                            loop_flag=np.zeros(traj.size, dtype=np.int64)))
+
+
+SHAPES = {"alfworld": alfworld_like_batch, "one-group": one_group_batch,
+          "long": lambda n, seed=0: one_group_batch(n, seed, n_rollouts=10)}
 
 
 def as_rows(cols, n_limit=None):
@@ -243,18 +275,22 @@ def run_estimator(name, steps):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
-    parser.add_argument("--estimators", nargs="+", default=None, help="default: every registered estimator")
+    parser.add_argument("--estimators", nargs="+", default=None,
+                        help="default: every registered estimator (graphhca and crbc for the one-group shapes)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="alfworld",
+                        help="alfworld: groups of 8 rollouts (default); one-group / long: one large group")
     parser.add_argument("--repeat", type=int, default=3, help="best of N runs of the vectorised estimator")
     parser.add_argument("--naive-limit", type=int, default=1_000_000,
                         help="run the per-row reference on at most this many rows and scale linearly above")
     args = parser.parse_args(argv)
 
     naive = naive_functions()
-    names = [n for n in (args.estimators or cp.available()) if n in naive]
+    flat = args.shape == "alfworld"
+    names = [n for n in (args.estimators or (cp.available() if flat else ["graphhca", "crbc"])) if n in naive]
     print(f"{'estimator':<10} {'S':>9} {'build s':>8} {'time s':>8} {'rows/s':>11} {'per-row s':>10} "
           f"{'ratio':>8} {'peak MB':>8} {'step %':>8}")
     for size in args.sizes:
-        cols = alfworld_like_batch(size)
+        cols = SHAPES[args.shape](size)
         n = len(cols["traj"])
         t0 = time.perf_counter()
         steps = cp.StepTable(**cols)
@@ -265,6 +301,11 @@ def main(argv=None):
             with PeakRSS() as mem:
                 run_estimator(name, cp.StepTable(**cols))
             fast = best_of(lambda: run_estimator(name, steps), args.repeat)
+            share = 100 * fast / (STEP_SECONDS * n / STEP_ROWS)
+            if not flat:
+                print(f"{name:<10} {n:>9} {build:>8.3f} {fast:>8.3f} {n / fast:>11.3g} {'-':>10} {'-':>8} "
+                      f"{mem.extra_mb:>8.0f} {share:>7.4f}%", flush=True)
+                continue
             limit = min(n, args.naive_limit)
             limit = int(np.searchsorted(cols["group"], cols["group"][limit - 1], side="right"))  # whole groups
             ref_input = naive_input(naive[name], cols, limit)
@@ -272,10 +313,10 @@ def main(argv=None):
             naive[name](ref_input)
             slow = (time.perf_counter() - t0) * n / limit
             mark = "~" if limit < n else " "
-            share = 100 * fast / (STEP_SECONDS * n / STEP_ROWS)
             print(f"{name:<10} {n:>9} {build:>8.3f} {fast:>8.3f} {n / fast:>11.3g} {mark}{slow:>9.2f} "
                   f"{slow / fast:>7.0f}x {mem.extra_mb:>8.0f} {share:>7.4f}%", flush=True)
-    run_extended(args.sizes, args.repeat, args.estimators)
+    if flat:
+        run_extended(args.sizes, args.repeat, args.estimators)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ SETTINGS = settings(max_examples=50, deadline=None)
 
 def close(a, b, tol):
     """|a - b| <= tol (1 + |b|) elementwise (float64)."""
-    a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
     return a.shape == b.shape and bool(((a - b).abs() <= tol * (1.0 + b.abs())).all())
 
 
@@ -299,6 +299,40 @@ def test_profile_distances_match_the_vectorised_ones(width, n_rows, temp, seed):
         assert float(m2._distance(a[None], b[None], mode, n_rows)[0]) == pytest.approx(want, abs=1e-12), mode
 
 
+@SETTINGS
+@given(st.lists(st.integers(1, 8), min_size=1, max_size=14), st.sampled_from([(0.0, 4.0), (0.0, 1.0), (0.8, 1.2),
+                                                                             (0.0, 1.5), (1.0, 1.0)]),
+       st.sampled_from([0.1, 1.0, 30.0]), st.integers(0, 2**31))
+def test_budget_projection_matches_the_vectorised_one(counts, box, spread, seed):
+    """The reference's breakpoint walk against the estimator's bisection, on densities sum N h = N_traj that include
+    values down to 1e-20 (adjacent breakpoints one ulp apart: a case the reference first got wrong with a midpoint
+    test) and a degenerate box [0, 1] where every weight is 1."""
+    from credit_plugins.estimators import _alignopsd_m2 as m2
+
+    rng = np.random.default_rng(seed)
+    n = torch.tensor(counts, dtype=torch.float64)
+    q = torch.softmax(torch.log(n) + torch.tensor(rng.normal(size=len(counts)) * spread), 0)
+    raw = n.sum() * q / n
+    lo, hi = box
+    got = m2.project_budget(raw, n, torch.zeros(len(counts), dtype=torch.int64), 1, lo, hi)
+    assert close(got, ref._project(raw.tolist(), n.tolist(), lo, hi), 1e-9)
+
+
+def test_budget_projection_with_breakpoints_one_ulp_apart():
+    """Regression (of the reference): raw densities 8e-17 and ~1e-22 put the breakpoints raw - 1 one ulp apart at -1;
+    on the box [0, 1] every weight is 1."""
+    from credit_plugins.estimators import _alignopsd_m2 as m2
+
+    raw = [6.008890846693005e-10, 2.138728807570613e-22, 1.2332292948978118e-20, 8.04596782539606e-17,
+           6.016675002116075e-10, 13.622475495206647, 6.851062390461322e-10, 2.204646554829282e-07,
+           3.953928678998871e-07, 0.29564941525285865, 0.08187447119388473, 6.011211478722829e-10,
+           3.0152713686821333e-13, 5.742680868236636e-23]   # sum 14: a found case (allocation, h_max = 1)
+    want = ref._project(raw, [1.0] * len(raw), 0.0, 1.0)
+    got = m2.project_budget(torch.tensor(raw, dtype=torch.float64), torch.ones(len(raw), dtype=torch.float64),
+                            torch.zeros(len(raw), dtype=torch.int64), 1, 0.0, 1.0)
+    assert close(want, [1.0] * len(raw), 1e-12) and close(got, want, 1e-12)
+
+
 def test_alignopsd_random_spans_reproduce_the_estimator_draw():
     """Ablation D: the reference draws the same cut priorities (torch.rand on manual_seed(seed)), so it gives the
     same spans, seed by seed; different seeds give different advantages."""
@@ -429,7 +463,7 @@ def test_full_distribution_losses_match_their_references(batch, beta, k, with_st
 def test_precomputed_supports_and_top1_ids_match_their_references(batch, k, with_stop, duplicate):
     """The remote-teacher forms: teacher_ids / teacher_logp [B, T, K] (a repeated id counts once; unnormalised
     teacher log-probs are renormalised) and teacher_top1 ids."""
-    s, te, mask, g = batch
+    s, _, mask, g = batch
     b, t, v = s.shape
     k = min(k, v)
     ids = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(b * t)]).reshape(b, t, k)

@@ -594,7 +594,7 @@ def test_missing_state_and_stateful_call_raise():
     ({"warmdown_steps": 2.5}, r"warmdown_steps=2.5"),
     ({"episode_stats": "rows"}, r"episode_stats='rows'; choose one of"),
     ({"frozen_rho": 1.5}, r"frozen_rho=1.5; use None"),
-    ({"step_weight": float("nan")}, r"step_weight=nan; use a finite weight"),
+    ({"step_weight": float("nan")}, r"step_weight=nan: must be a finite number"),
     ({"peer_success_threshold": float("inf")}, r"peer_success_threshold=inf"),
     ({"lambda0": 0.5}, r"unknown parameter\(s\) \['lambda0'\]"),
 ])
@@ -606,10 +606,10 @@ def test_bad_params_raise_naming_the_field(values, match):
 @pytest.mark.parametrize("state, match", [
     ({"step": 0, "rho_ema": None}, r"missing keys \['n_prev'\]"),
     ({"step": 0, "rho_ema": None, "n_prev": 0, "kappa": 1}, r"unexpected keys \['kappa'\]"),
-    ({"step": -1, "rho_ema": None, "n_prev": 0}, r"step=-1; it is the number of batches seen"),
-    ({"step": 0, "rho_ema": 2.0, "n_prev": 0}, r"rho_ema=2.0; it is a correlation in \[-1, 1\]"),
+    ({"step": -1, "rho_ema": None, "n_prev": 0}, r"step=-1: must lie in \[0, "),
+    ({"step": 0, "rho_ema": 2.0, "n_prev": 0}, r"rho_ema=2.0: must lie in \[-1.0, 1.0\]"),
     ({"step": 0, "rho_ema": "0.3", "n_prev": 0}, r"rho_ema='0.3'"),
-    ({"step": 0, "rho_ema": None, "n_prev": 1.5}, r"n_prev=1.5; it is a row count"),
+    ({"step": 0, "rho_ema": None, "n_prev": 1.5}, r"n_prev=1.5: must be an integer"),
 ])
 def test_bad_state_raises(state, match):
     with pytest.raises(ValueError, match=match):

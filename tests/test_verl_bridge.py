@@ -447,3 +447,11 @@ def test_list_extras_keep_their_dtype_and_ragged_rows_are_padded():
     assert _extra_column([[0.5, 0.5], [1.0]], "legal_p").tolist() == [[0.5, 0.5], [1.0, 0.0]]
     parent = _extra_column(["a-1", None], "parent")
     assert parent.tolist() == [cp.stable_hash("a-1"), -1]
+
+
+@pytest.mark.parametrize("key", ["step_idx", "traj_uid", "anchor_key"])
+def test_a_none_in_the_metadata_is_an_error_naming_the_key_and_row(key):
+    data = legacy_batch()
+    data.non_tensor_batch[key][2] = None
+    with pytest.raises(ValueError, match=rf"extra_fields\['{key}'\] is None on batch row 2"):
+        compute_advantage(data, adv_estimator="gigpo", config=algo_config())

@@ -139,8 +139,18 @@ def build_step_table(meta: RowMeta, token_level_rewards: torch.Tensor, uid: Sequ
     def col(key: str) -> list[Any] | None:
         return None if key not in cols else [cols[key][i] for i in keep]
 
+    for key in (STEP_IDX, TRAJ, ANCHOR, STEP_REWARD, SUCCESS, TRUNCATED):  # action_key None = unknown action (-1)
+        values = col(key)
+        if values is not None and any(v is None for v in values):
+            row = int(keep[next(i for i, v in enumerate(values) if v is None)])
+            raise ValueError(f"extra_fields[{key!r}] is None on batch row {row}; every AgentLoopOutput of an "
+                             f"agentcredit estimator's batch needs a value there ({estimator!r}; see "
+                             f"agentcredit.verl.contract)")
     score = token_level_rewards.detach().to(torch.float64).sum(-1).cpu()[torch.as_tensor(keep, dtype=torch.long)]
-    t = np.asarray(col(STEP_IDX), dtype=np.int64)
+    try:
+        t = np.asarray(col(STEP_IDX), dtype=np.int64)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"extra_fields[{STEP_IDX!r}] must hold integers (the 0-based step): {e}") from None
     traj = col(TRAJ)
     if STEP_REWARD in cols:
         reward = np.asarray(col(STEP_REWARD), dtype=np.float64)

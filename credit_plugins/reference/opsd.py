@@ -220,7 +220,7 @@ def uniopsd_reference_batch(steps: StepTable, p: UniOPSDParams,
 
     # global trust from previous batches: shrunk correlation, c*
     if p.frozen_rho is not None:
-        rho_hat = 0.0
+        rho_hat = float(p.frozen_rho)
     elif state["rho_ema"] is None:
         rho_hat = 0.0
     else:
@@ -377,8 +377,8 @@ def _project(raw: list[float], counts: list[float], lo: float, hi: float) -> lis
     """The weighted Euclidean projection of ``raw`` onto ``[lo, hi]`` with ``sum counts * h = sum counts``.
 
     KKT: ``h = clip(raw - lambda, lo, hi)``; ``f(lambda) = sum counts * h`` is piecewise linear and non-increasing with
-    breakpoints ``raw - hi`` and ``raw - lo``: walk the pieces, take the one that brackets the budget and solve it
-    exactly on its free coordinates.
+    breakpoints ``raw - hi`` and ``raw - lo``: walk the pieces, take the first one whose right end reaches the budget and
+    solve it exactly on its free coordinates.
     """
     target = sum(counts)
     if hi <= lo:
@@ -391,10 +391,11 @@ def _project(raw: list[float], counts: list[float], lo: float, hi: float) -> lis
     for a, b in zip(pts[:-1], pts[1:]):
         if f(b) > target:
             continue
-        # the first piece [a, b] whose right end reaches the budget: f(a) >= target >= f(b)
-        mid = 0.5 * (a + b)
-        free = [r - hi < mid < r - lo for r in raw]
+        # the first piece [a, b] whose right end reaches the budget: f(a) >= target >= f(b). No breakpoint lies
+        # inside it, so on (a, b) each coordinate is at hi (r - hi >= b), at lo (r - lo <= a) or free (no midpoint
+        # test: the midpoint of two adjacent floats rounds onto one of them)
         bound = [hi if r - hi >= b else lo for r in raw]
+        free = [not (r - hi >= b or r - lo <= a) for r in raw]
         n_free = sum(c for c, fr in zip(counts, free) if fr)
         if n_free == 0:        # f is flat here: every coordinate sits on a bound
             return bound
