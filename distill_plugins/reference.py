@@ -8,7 +8,7 @@ loops over the positions ``(b, t)`` of the batch (and over the vocabulary or the
     k3                   (r - 1) - log r,  log r = clip(lp_T - lp_S, +-max_log_ratio)
     reverse / forward KL sum_v p_S (log p_S - log p_T)  /  sum_v p_T (log p_T - log p_S)
     generalized_jsd      beta KL(T || M) + (1 - beta) KL(S || M),  M = beta p_T + (1 - beta) p_S   (beta 0 / 1: FKL / RKL)
-    topk_forward_kl      sum_{v in V} pbar_T (log pbar_T - log p_S),   V = teacher top-K (ties: lower id) + stop ids
+    topk_forward_kl      sum_{v in V} pbar_T (log pbar_T - log p_S),   V = teacher top-K logits (ties: lower id) + stop ids
     topk_reverse_kl      sum_{v in V} pbar_S (log pbar_S - log pbar_T), pbar = p renormalised on V
     gated_nll            -sigmoid(beta (lp_T - lp_S)) lp_S
     teacher_top1_ce      -log p_S(argmax_v p_T(v))   (ties: the lower id)
@@ -237,8 +237,9 @@ def teacher_top1_ce(student_logits: torch.Tensor, teacher_logits: torch.Tensor |
 def _support(i, j, te, k, ids, lps, stop):
     """``(ids, teacher log-probs)`` of one position's support, each id once (its first occurrence)."""
     if te is not None:
-        lt = _log_softmax(te[i][j])
-        order = sorted(range(len(lt)), key=lambda v: (-lt[v], v))[:int(k)]   # teacher top-K, ties: the lower id
+        row = te[i][j]
+        lt = _log_softmax(row)
+        order = sorted(range(len(row)), key=lambda v: (-row[v], v))[:int(k)]  # top-K logits, ties: the lower id
         support = order + [v for v in stop if v not in order]
         return support, [lt[v] for v in support]
     seen, support, values = set(), [], []

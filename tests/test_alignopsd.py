@@ -772,3 +772,128 @@ def test_randomised_row_order_gives_the_same_advantages():
     pout = mod.ESTIMATOR(cp.StepTable(**pcols, extras=pext), tau_sim=0.5)
     assert torch.allclose(pout[inv], out, atol=1e-6)
     assert bool((out != 0).any())
+
+
+# ---- invariance: labels and row order never change an advantage -----------------------------------------------------
+def _cross_of(cols, extras, src):
+    """Cross scores of each (source -> target) pair as a function of the two rows' data only (input order)."""
+    et, es = extras["emb_teacher"].double(), extras["emb_student"].double()
+    t = torch.tensor(cols["t"], dtype=torch.float64)
+    r = torch.tensor(cols["reward"], dtype=torch.float64)
+    s_feat = et.sum(1) + 0.7 * es.sum(1) + 0.3 * t + 0.1 * r  # [S] source content
+    has = src >= 0
+    sf = torch.where(has, s_feat[src.clamp(min=0)], 0.0)  # [S, K]
+    lp = extras["logp_teacher"].double()[:, None, :] - 0.5 + 0.4 * torch.sin(sf)[:, :, None]
+    return torch.where(has[:, :, None], lp, 0.0)
+
+
+@st.composite
+def tied_batches(draw):
+    """Batches whose embeddings come from a tiny palette (exact similarity ties everywhere, some rows with
+    identical content in different rollouts), with a random relabelling of every trajectory / group id and a
+    random row order."""
+    rows = draw(step_batches(max_groups=3, max_rollouts=4, max_len=8))
+    seed = draw(st.integers(0, 2**31))
+    rng = np.random.default_rng(seed)
+    s, length = len(rows), draw(st.integers(1, 3))
+    palette = np.concatenate([rng.normal(size=(3, 2)), np.zeros((1, 2))])
+    emb_t = palette[rng.integers(0, 4, s)]
+    emb_s = palette[rng.integers(0, 4, s)]
+    mask = rng.random((s, length)) < 0.7
+    mask[np.arange(s), rng.integers(0, length, s)] = True
+    lp_old = np.round(-rng.exponential(1.0, (s, length)), 1)  # coarse values: equal turn gaps happen
+    lp_t = lp_old + np.round(rng.normal(0.0, 1.0, (s, length)), 1)
+    extras = {"logp_old": torch.tensor(lp_old), "logp_teacher": torch.tensor(lp_t),
+              "response_mask": torch.tensor(mask.astype(np.float32)), "emb_teacher": torch.tensor(emb_t),
+              "emb_student": torch.tensor(emb_s)}
+    if draw(st.booleans()):
+        extras["valid"] = torch.tensor(rng.random(s) < 0.8)
+    cols = columns(rows)
+    trajs = sorted(set(cols["traj"]))
+    groups = sorted(set(cols["group"]))
+    tmap = dict(zip(trajs, [f"x{i}" for i in rng.permutation(len(trajs))]))
+    gmap = dict(zip(groups, [f"q{i}" for i in rng.permutation(len(groups))]))
+    perm = rng.permutation(s)
+    pcols = {k: [v[j] for j in perm] for k, v in cols.items()}
+    pcols["traj"] = [tmap[x] for x in pcols["traj"]]
+    pcols["group"] = [gmap[x] for x in pcols["group"]]
+    pextras = {k: v[torch.as_tensor(perm)] for k, v in extras.items()}
+    return cols, extras, pcols, pextras, perm
+
+
+@settings(max_examples=60, deadline=None)
+@given(tied_batches(), st.sampled_from(["hierarchical", "random", "flat_turn", "flat_token"]),
+       st.sampled_from([-0.5, 0.3, 0.9]), st.integers(1, 3), st.booleans(), st.integers(0, 3))
+def test_relabelling_and_row_order_leave_every_advantage_unchanged(batch, allocation, tau, k, cross, seed):
+    cols, extras, pcols, pextras, perm = batch
+    p = mod.AlignOPSDParams(allocation=allocation, tau_sim=tau, top_k=k, seed=seed, min_seg=1, max_seg=3,
+                            theta_min=0.0, theta_max=1.0)
+
+    def run(c, e):
+        if cross:
+            src, _ = mod.select_sources(cp.StepTable(**c, extras=e), p)
+            e = {**e, "logp_cross": _cross_of(c, e, src), "cross_src": src}
+        steps = cp.StepTable(**c, extras=e)
+        return steps.to_input_order(mod.alignopsd(steps, p)), steps
+
+    base, steps = run(cols, extras)
+    moved, psteps = run(pcols, pextras)
+    assert torch.allclose(moved, base[torch.as_tensor(perm)], rtol=0, atol=1e-6)
+    # the chosen sources are the same rows (up to rows of identical content, which carry equal similarities)
+    src, sim = mod.select_sources(steps, p)
+    psrc, psim = mod.select_sources(psteps, p)
+    assert torch.equal(psim, sim[torch.as_tensor(perm)])
+
+
+def test_tie_break_does_not_follow_labels():
+    """Two sources tie on H for a third rollout's target; renaming the two tied rollouts keeps the choice."""
+    stu = [[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]]
+    tea = [[1.0, 0.0], unit(0.8), unit(0.8, 2.0)]  # rows 1 and 2 tie (H = 0.8) for target 0, content differs
+    extras = {"logp_old": torch.full((3, 1), -1.0), "logp_teacher": torch.full((3, 1), -1.0),
+              "response_mask": torch.ones(3, 1), "emb_teacher": torch.tensor(tea, dtype=torch.float64),
+              "emb_student": torch.tensor(stu, dtype=torch.float64)}
+    picks = []
+    for names in (["a", "b", "c"], ["a", "c", "b"], ["z", "c", "b"]):
+        steps = cp.StepTable(group=[0] * 3, traj=names, t=[0, 0, 0], reward=[1.0, 0.0, 0.0], extras=extras)
+        src, _ = mod.select_sources(steps, top_k=1)
+        picks.append(int(src[0, 0]))
+    assert picks[0] in (1, 2) and picks == [picks[0]] * 3
+
+
+# ---- memory: chunked source selection ---------------------------------------------------------------------------------
+@settings(max_examples=25, deadline=None)
+@given(batches(), params_strategy(), st.integers(1, 7))
+def test_chunked_selection_equals_one_chunk(batch, p, chunk_elements):
+    """The source selection, profiles and distances are computed over chunks of target rows; any chunk size gives
+    the same sources and advantages as one chunk holding the whole block."""
+    from credit_plugins.estimators import _alignopsd_m1 as m1
+    steps = table_for(batch, p)
+    old = m1.DEFAULT_CHUNK_ELEMENTS
+    try:
+        m1.DEFAULT_CHUNK_ELEMENTS = 1 << 40
+        whole = mod.alignopsd_terms(steps, p)
+        m1.DEFAULT_CHUNK_ELEMENTS = chunk_elements  # below G * M: one target position per chunk
+        small = mod.alignopsd_terms(steps, p)
+    finally:
+        m1.DEFAULT_CHUNK_ELEMENTS = old
+    assert torch.equal(whole.src, small.src) and torch.equal(whole.sim, small.sim)
+    assert torch.equal(whole.distance, small.distance) and torch.equal(whole.profile_valid, small.profile_valid)
+    assert torch.allclose(whole.advantage, small.advantage, rtol=0, atol=1e-12)
+
+
+def test_a_group_too_large_for_memory_raises_before_allocating(monkeypatch):
+    from credit_plugins.estimators import _alignopsd_m1 as m1
+    n = 300
+    rng = np.random.default_rng(0)
+    extras = {"logp_old": torch.full((n, 1), -1.0), "logp_teacher": torch.full((n, 1), -0.5),
+              "response_mask": torch.ones(n, 1), "emb_teacher": torch.tensor(rng.normal(size=(n, 4))),
+              "emb_student": torch.tensor(rng.normal(size=(n, 4)))}
+    steps = cp.StepTable(group=[0] * n, traj=[i // 10 for i in range(n)], t=[i % 10 for i in range(n)],
+                         reward=[float(i % 20 == 9) for i in range(n)], extras=extras)
+    monkeypatch.setattr(m1, "MAX_BLOCK_BYTES", 10_000)
+    with pytest.raises(ValueError, match=r"300 turn rows.*smaller task groups"):
+        mod.alignopsd(steps, mod.AlignOPSDParams())
+    with pytest.raises(ValueError, match="smaller task groups"):
+        mod.select_sources(steps)
+    monkeypatch.setattr(m1, "MAX_BLOCK_BYTES", 1 << 30)
+    assert mod.alignopsd(steps, mod.AlignOPSDParams()).shape == (n, 1)

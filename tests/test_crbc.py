@@ -4,6 +4,7 @@ Cross-method invariants (X3, X6-X13) and the per-row reference check live in ``t
 """
 
 import math
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -12,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import credit_plugins as cp
-from credit_plugins.estimators import crbc
+from credit_plugins.estimators import _graph, crbc
 
 from .test_graph_invariants import SETTINGS, graph_batches, successors, table
-from .test_graphhca import rollouts
+from .test_graphhca import large_group, rollouts
 
 CRBC, GRPO = cp.get("crbc"), cp.get("grpo")
 
@@ -89,6 +90,21 @@ def test_beta_one_with_cycles_is_solvable():
     _, v = crbc.values(steps, beta=1.0)
     assert v.tolist() == pytest.approx([2 / 3, 1 / 3, 2 / 3, 1 / 3, 1 / 3], abs=1e-12)
     assert bool(torch.isfinite(CRBC(steps, beta=1.0)).all())
+
+
+@pytest.mark.parametrize("beta", [0.98, 1.0])
+def test_closure_of_one_large_group_equals_the_direct_solve(beta):
+    # one group whose rollouts keep meeting (a strongly connected component above DIRECT_MAX: certified GMRES);
+    # Q and V (float64) equal the single sparse LU's, and the finite depths (no solve) still converge to them
+    steps = large_group(seed=1)
+    q, v = crbc.values(steps, beta=beta)
+    with mock.patch.object(crbc, "solve", _graph.solve_direct):
+        q_direct, v_direct = crbc.values(steps, beta=beta)
+    assert torch.allclose(q, q_direct, atol=1e-9, rtol=0) and torch.allclose(v, v_direct, atol=1e-9, rtol=0)
+    if beta < 1:
+        q_k, v_k = crbc.values(steps, beta=beta, depth=2_000)
+        assert torch.allclose(q_k - v_k, q - v, atol=1e-9, rtol=0)
+    assert bool(torch.isfinite(CRBC(steps, beta=beta)).all())
 
 
 # ---- invalid / unknown action keys (spec §15.4): -1 is one pooled action ----------------------------------------

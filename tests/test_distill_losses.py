@@ -280,3 +280,146 @@ def test_sampled_token_estimators_zero_and_finite_on_masked_garbage(data, discou
         assert out.shape == mask.shape and torch.isfinite(out).all() and (out[~mask] == 0).all()
     assert (L.k3(lps, lpt, mask) >= 0).all()
     assert torch.allclose(L.k1(lps, lpt, mask), -L.opd_advantage(lps, lpt, mask), atol=ATOL)
+
+
+# ---- hostile inputs (regressions) ----------------------------------------------------------------------------------
+def test_nan_student_logp_at_a_valid_position_is_an_error_and_masked_nan_gives_zero():
+    lps, lpt = torch.full((2, 4), -1.0), torch.full((2, 4), -0.5)
+    mask = torch.tensor([[1, 1, 0, 1], [1, 0, 1, 1]], dtype=torch.bool)
+    bad = lps.clone()
+    bad[0, 1] = float("nan")
+    for fn in (L.opd_advantage, L.k1, L.k3, L.gated_nll):
+        with pytest.raises(ValueError, match=r"student_logp holds NaN/inf at 1 valid"):
+            fn(bad, lpt, mask)
+    neg = lps.clone()
+    neg[1, 3] = float("-inf")                   # a sampled token of probability 0: the estimate would be infinite
+    for fn in (L.opd_advantage, L.gated_nll):
+        with pytest.raises(ValueError, match=r"student_logp holds NaN/inf at 1 valid.*probability 0"):
+            fn(neg, lpt, mask)
+    garbage = lps.clone()
+    garbage[~mask] = float("nan")
+    for discount in (0.0, 0.5, 1.0):
+        adv = L.opd_advantage(garbage, lpt, mask, discount=discount)
+        assert torch.isfinite(adv).all() and (adv[~mask] == 0).all()
+        assert torch.equal(adv, L.opd_advantage(lps, lpt, mask, discount=discount))
+
+
+def test_minus_inf_student_logits_are_probability_zero_tokens():
+    s, t = _logits(2, 3, 6, seed=3)
+    s[..., 4], t[..., 4] = float("-inf"), float("-inf")      # a vocabulary entry both models mask
+    s[0, 1, 5] = float("-inf")                                # ... and one only the student masks
+    sp = s.clone().requires_grad_(True)
+    ref_mask = torch.tensor([[1, 0, 1], [1, 1, 1]], dtype=torch.bool)     # (0, 1) is masked out
+    for fn in (L.forward_kl, L.reverse_kl, lambda a, b, m: L.generalized_jsd(a, b, m, 0.5),
+               L.teacher_top1_ce, lambda a, b, m: L.topk_forward_kl(a, b, m, k=3),
+               lambda a, b, m: L.topk_reverse_kl(a, b, m, k=3, stop_token_ids=(0,))):
+        out = fn(sp, t, ref_mask)
+        g, = torch.autograd.grad(out.sum(), sp)
+        assert torch.isfinite(out).all() and torch.isfinite(g).all() and (g[~ref_mask] == 0).all()
+    # where the student's -inf token is one the teacher gives probability > 0, the loss would be +inf: an error
+    with pytest.raises(ValueError, match=r"forward_kl: student_logits gives probability 0.*1 valid"):
+        L.forward_kl(s, t)
+    with pytest.raises(ValueError, match=r"generalized_jsd\(beta=0\): student_logits gives probability 0"):
+        L.generalized_jsd(s, t, beta=0.0)
+    t2 = t.clone()
+    t2[0, 1, 5] = 50.0                                        # the teacher's top-1 is the student's -inf token
+    with pytest.raises(ValueError, match=r"teacher_top1_ce: student_logits gives probability 0"):
+        L.teacher_top1_ce(s, t2)
+    with pytest.raises(ValueError, match=r"topk_forward_kl: student_logits gives probability 0"):
+        L.topk_forward_kl(s, t2, k=1)
+    s2 = s.clone()
+    s2[1, 2] = float("-inf")
+    with pytest.raises(ValueError, match=r"student_logits is -inf everywhere at 1 valid"):
+        L.forward_kl(s2, t)
+    # gated_nll / the sampled-token estimators take the log-prob: -inf there is the student_logp error
+    lps = L.sampled_logp(s, torch.full((2, 3), 4))
+    with pytest.raises(ValueError, match=r"gated_nll: student_logp holds NaN/inf at 6 valid"):
+        L.gated_nll(lps, torch.zeros(2, 3))
+
+
+def test_teacher_minus_inf_logit_is_a_masked_vocabulary_entry_not_a_failed_forward():
+    s, t = _logits(2, 3, 6, seed=4)
+    t[..., 2] = float("-inf")
+    for fn in (L.forward_kl, lambda a, b: L.generalized_jsd(a, b, beta=0.3), L.teacher_top1_ce,
+               lambda a, b: L.topk_forward_kl(a, b, k=6), lambda a, b: L.topk_reverse_kl(a, b, k=2)):
+        assert torch.isfinite(fn(s, t)).all()
+    assert torch.allclose(L.topk_forward_kl(s, t, k=6), L.forward_kl(s, t), atol=ATOL)
+    # reverse KL(S‖T) is +inf when the teacher masks a token the student does not: named, not "forward pass failed"
+    with pytest.raises(ValueError, match=r"reverse_kl: teacher_logits gives probability 0") as err:
+        L.reverse_kl(s, t)
+    assert "forward pass failed" not in str(err.value)
+    s2 = s.clone()
+    s2[..., 2] = float("-inf")
+    assert torch.isfinite(L.reverse_kl(s2, t)).all()
+    # a precomputed support may carry -inf teacher log-probs too
+    ids = torch.tensor([0, 1, 2]).expand(2, 3, 3)
+    lp = torch.tensor([-0.5, -1.0, float("-inf")]).expand(2, 3, 3)
+    assert torch.isfinite(L.topk_forward_kl(s, None, k=None, teacher_ids=ids, teacher_logp=lp)).all()
+    for bad, what in ((float("nan"), "NaN"), (float("inf"), "+inf")):
+        t2 = t.clone()
+        t2[0, 0, 1] = bad
+        with pytest.raises(ValueError, match=r"teacher_logits holds NaN/inf at 1 valid.*forward pass failed"):
+            L.forward_kl(s, t2)
+    t3 = t.clone()
+    t3[1, 1] = float("-inf")
+    with pytest.raises(ValueError, match=r"teacher_logits is -inf everywhere at 1 valid"):
+        L.forward_kl(s, t3)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_float_hyperparameters_must_be_finite_and_in_range(value):
+    lp, s = torch.full((1, 2), -1.0), torch.zeros(1, 2, 3)
+    cases = [(lambda: L.opd_advantage(lp, lp, coef=value), "opd_advantage: coef"),
+             (lambda: L.opd_advantage(lp, lp, discount=value), "opd_advantage: discount"),
+             (lambda: L.k3(lp, lp, max_log_ratio=value), "k3: max_log_ratio"),
+             (lambda: L.gated_nll(lp, lp, beta=value), "gated_nll: beta"),
+             (lambda: L.generalized_jsd(s, s, beta=value), "generalized_jsd: beta"),
+             (lambda: L.discounted_future_sum(lp, value), r"discounted_future_sum: gamma")]
+    for call, name in cases:
+        with pytest.raises(ValueError, match=rf"{name}.* must be a finite number"):
+            call()
+    with pytest.raises(ValueError, match=r"generalized_jsd: beta must be a finite number in \[0.0, 1.0\]"):
+        L.generalized_jsd(s, s, beta=1.5)
+    with pytest.raises(ValueError, match=r"k3: max_log_ratio must be a finite number in \(0.0, inf\]"):
+        L.k3(lp, lp, max_log_ratio=0.0)
+    with pytest.raises(ValueError, match=r"gated_nll: beta must be a finite number in \[0.0, inf\]"):
+        L.gated_nll(lp, lp, beta=-1.0)
+
+
+@pytest.mark.parametrize("gamma", [0.0, 1e-300, 1e-200, 1e-5, 0.5, 0.999, 1.0])
+def test_discounted_future_sum_is_vectorised_for_every_gamma(gamma):
+    import time
+
+    from distill_plugins import reference as R
+    x = torch.randn(3, 700, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    assert torch.allclose(L.discounted_future_sum(x, gamma), R.discounted_future_sum(x, gamma), rtol=0, atol=1e-9)
+    big = torch.randn(4, 100_000, generator=torch.Generator().manual_seed(9))
+    start = time.perf_counter()
+    out = L.discounted_future_sum(big, gamma)
+    assert time.perf_counter() - start < 1.0 and out.dtype == torch.float32      # was 8.6 s per-token at 1e-200
+
+
+def test_topk_ties_keep_the_lower_token_id():
+    from distill_plugins import reference as R
+    t = torch.tensor([0.0, 1, 1, 1, 1, 0, 0, 0, 0], dtype=torch.float64).view(1, 1, 9)
+    s = torch.arange(9, dtype=torch.float64).view(1, 1, 9)
+    for name in ("topk_forward_kl", "topk_reverse_kl"):
+        got, want = getattr(L, name)(s, t, k=2), getattr(R, name)(s, t, k=2)
+        assert torch.allclose(got, want, rtol=0, atol=1e-12), name            # support {1, 2}
+    lt = t.log_softmax(-1)[0, 0, [1, 2]]
+    ls = s.log_softmax(-1)[0, 0, [1, 2]]
+    q = (lt - lt.logsumexp(-1)).exp()
+    assert float(L.topk_forward_kl(s, t, k=2)) == pytest.approx(float((q * (q.log() - ls)).sum()), abs=1e-12)
+    # ties at -inf, stop tokens, and rows with and without ties in one batch
+    t2 = torch.tensor([[3.0, -math.inf, 2, -math.inf, 2, 2], [5, 4, 3, 2, 1, 0]]).view(2, 1, 6)
+    s2 = torch.randn(2, 1, 6, generator=torch.Generator().manual_seed(1))
+    for k in range(1, 7):
+        for stop in ((), (5,)):
+            for name in ("topk_forward_kl", "topk_reverse_kl"):
+                if name == "topk_reverse_kl" and k >= 5:     # row 0's support then holds a -inf teacher token
+                    with pytest.raises(ValueError, match="teacher_logits gives probability 0"):
+                        L.topk_reverse_kl(s2, t2, k=k, stop_token_ids=stop)
+                    continue
+                got = getattr(L, name)(s2, t2, k=k, stop_token_ids=stop)
+                want = getattr(R, name)(s2, t2, k=k, stop_token_ids=stop)
+                assert torch.allclose(got, want, atol=1e-6), (name, k, stop)

@@ -7,6 +7,7 @@ across and within rollouts, self-loops, cycles, truncation, invalid actions (key
 singleton groups, all-fail and all-success groups.
 """
 
+import functools
 import math
 import random
 
@@ -87,13 +88,21 @@ def f64(x):
 
 
 # ---- the shared solve -----------------------------------------------------------------------------------------
+# solve on each of its paths (small components by LU; every multi-node component by certified GMRES, or by LU in
+# band order), and the single LU it replaced (test_graph_scaling.py compares them directly, and at scale)
+SOLVERS = {"solve": _graph.solve, "solve_direct": _graph.solve_direct,
+           "solve_gmres": functools.partial(_graph.solve, direct_max=1, band_max=0),
+           "solve_banded": functools.partial(_graph.solve, direct_max=1, band_max=math.inf)}
+
+
 @settings(**SETTINGS)
-@given(graph_batches(), st.sampled_from([0.5, 0.9, 0.98, 1.0]), st.integers(0, 2**31 - 1))
-def test_solve_equals_bellman_iteration_from_any_initialiser(rows, discount, seed):
+@given(graph_batches(), st.sampled_from([0.5, 0.9, 0.98, 1.0]), st.integers(0, 2**31 - 1),
+       st.sampled_from(sorted(SOLVERS)))
+def test_solve_equals_bellman_iteration_from_any_initialiser(rows, discount, seed, solver):
     steps = table(rows)
     g = _graph.transition_graph(steps)
     coef = discount / g.count[g.node]
-    v = _graph.solve(g.n, g.node, g.next, coef)
+    v = SOLVERS[solver](g.n, g.node, g.next, coef)
     init = torch.from_numpy(np.random.default_rng(seed).uniform(-5, 5, g.n + 2))
     it = _graph.bellman_iterate(g.n, g.node, g.next, coef, init=init, tol=1e-14)
     assert torch.allclose(v, it, atol=1e-10, rtol=0)
@@ -101,23 +110,26 @@ def test_solve_equals_bellman_iteration_from_any_initialiser(rows, discount, see
     assert float(resid.abs().max()) < 1e-12
 
 
-def test_solve_handles_single_successor_cycles_and_dead_nodes():
+@pytest.mark.parametrize("solver", sorted(SOLVERS))
+def test_solve_handles_single_successor_cycles_and_dead_nodes(solver):
     # nodes 0 -> 1 -> 0 (each one successor, coefficient 0.5): V = 0.5 V(other) => V = 0 (pointer-jumping fallback);
     # node 2 -> z+ (0.5) and 2 -> 3 (0.5), node 3 has no edge (V = 0); node 4 -> 2 with 0.9 => V(4) = 0.9 * 0.5
     n = 5
     src = torch.tensor([0, 1, 2, 2, 4])
     dst = torch.tensor([1, 0, n, 3, 2])
     coef = f64([0.5, 0.5, 0.5, 0.5, 0.9])
-    v = _graph.solve(n, src, dst, coef)
+    v = SOLVERS[solver](n, src, dst, coef)
     assert v.tolist() == pytest.approx([0.0, 0.0, 0.5, 0.0, 0.45, 1.0, 0.0])
 
 
-def test_solve_of_nothing_is_the_boundaries():
+@pytest.mark.parametrize("solver", sorted(SOLVERS))
+def test_solve_of_nothing_is_the_boundaries(solver):
     empty = torch.zeros(0, dtype=torch.int64)
-    assert _graph.solve(0, empty, empty, f64([])).tolist() == [1.0, 0.0]
+    assert SOLVERS[solver](0, empty, empty, f64([])).tolist() == [1.0, 0.0]
 
 
-def test_solve_matches_iteration_on_a_long_chain_with_back_edges():
+@pytest.mark.parametrize("solver", sorted(SOLVERS))
+def test_solve_matches_iteration_on_a_long_chain_with_back_edges(solver):
     # a long chain with merges and a cycle: 2000 nodes, node k -> k+1 and every 7th node also back to k-3
     n = 2000
     src, dst, coef = [], [], []
@@ -132,7 +144,7 @@ def test_solve_matches_iteration_on_a_long_chain_with_back_edges():
             dst.append(nxt)
             coef.append(0.98)
     src, dst, coef = torch.tensor(src), torch.tensor(dst), f64(coef)
-    v = _graph.solve(n, src, dst, coef)
+    v = SOLVERS[solver](n, src, dst, coef)
     it = _graph.bellman_iterate(n, src, dst, coef, tol=1e-15)
     assert torch.allclose(v, it, atol=1e-11, rtol=0)
 

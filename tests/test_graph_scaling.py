@@ -12,10 +12,10 @@ from unittest import mock
 import numpy as np
 import pytest
 import scipy.sparse as sp
-import scipy.sparse.csgraph as csgraph
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scipy.sparse import csgraph
 
 import credit_plugins as cp
 from credit_plugins.estimators import _graph, crbc, graphhca
@@ -24,7 +24,8 @@ from .test_graph_invariants import SETTINGS, graph_batches, table
 
 # the paths of solve, each forced on every component it can take: the default (small components: one LU), every
 # multi-node component to GMRES, every multi-node component to the band-ordered LU
-PATHS = {"default": {}, "gmres": dict(direct_max=1, band_max=0), "banded": dict(direct_max=1, band_max=math.inf)}
+PATHS = {"default": {}, "gmres": {"direct_max": 1, "band_max": 0},
+         "banded": {"direct_max": 1, "band_max": math.inf}}
 
 
 def one_group(n_rows, traj_len=20, n_rollouts=None, seed=0, pool=None):

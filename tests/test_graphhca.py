@@ -4,6 +4,7 @@ Cross-method invariants (X2, X6, X9-X13) and the per-row reference check live in
 """
 
 import math
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import credit_plugins as cp
-from credit_plugins.estimators import graphhca
+from credit_plugins.estimators import _graph, graphhca
 
 from .test_graph_invariants import SETTINGS, graph_batches, successors, table
 
@@ -266,6 +267,35 @@ def test_gamma_one_with_cycles_is_solvable():
     # Phi(s0) = (Phi(s1) + 1) / 2, Phi(s1) = (Phi(s0) + Phi(s1) + 0) / 3 -> Phi(s1) = Phi(s0) / 2 -> Phi(s0) = 2/3
     assert phi.tolist() == pytest.approx([2 / 3, 1 / 3, 2 / 3, 1 / 3, 1 / 3], abs=1e-12)
     assert bool(torch.isfinite(GRAPHHCA(steps, gamma=1.0)).all())
+
+
+def large_group(seed=0, rollouts=200, steps=50, states=1_000):
+    """One task group whose rollouts keep meeting: ``rollouts`` random walks of ``steps`` steps over ``states``
+    states, 3 actions, ~35% successful, ~10% truncated: one strongly connected component above DIRECT_MAX."""
+    rng = np.random.default_rng(seed)
+    traj = np.repeat(np.arange(rollouts), steps)
+    won = rng.random(rollouts) < 0.35
+    return cp.StepTable(group=np.zeros(traj.size, dtype=np.int64), traj=traj, t=np.tile(np.arange(steps), rollouts),
+                        state=rng.integers(0, states, traj.size), action=rng.integers(0, 3, traj.size),
+                        reward=np.zeros(traj.size), success=won[traj],
+                        truncated=(~won & (rng.random(rollouts) < 0.3))[traj])
+
+
+@pytest.mark.parametrize("gamma", [0.95, 1.0])
+@pytest.mark.parametrize("omega", [1.0, 3.0, math.inf])
+def test_potential_of_one_large_group_equals_the_direct_solve(gamma, omega):
+    # the component goes to certified GMRES (omega = 3: the scaled system, whose rows may sum to 1 even with
+    # gamma < 1); Phi (float64, before any cast) equals the single sparse LU's
+    steps = large_group()
+    graph = _graph.transition_graph(steps)
+    stats = _graph.SolveStats()
+    _graph.solve(graph.n, graph.node, graph.next, gamma / graph.count[graph.node], stats=stats)
+    assert stats.largest_scc > _graph.DIRECT_MAX and stats.iterative_sccs == 1 and stats.fallbacks == 0
+    phi = graphhca.node_potential(graph, gamma, omega)
+    with mock.patch.object(graphhca, "solve", _graph.solve_direct):
+        want = graphhca.node_potential(graph, gamma, omega)
+    assert torch.allclose(phi, want, atol=1e-9, rtol=0)
+    assert bool(torch.isfinite(GRAPHHCA(steps, gamma=gamma, omega=omega)).all())
 
 
 def test_states_are_only_pooled_within_a_group():

@@ -17,6 +17,7 @@ import torch
 from ..steptable import StepTable
 
 __all__ = ["TaskBlocks", "task_blocks", "unit_rows", "similarity_blocks", "eligibility_blocks", "select_block_sources",
+           "content_key", "row_content", "mix64", "correspondence_chunks", "chunk_rows", "Correspondence",
            "sources_per_row", "source_weights", "confidence", "aggregate_cross", "rectify"]
 
 AGGREGATIONS = ("probability_mixture", "log_mean")
@@ -80,11 +81,51 @@ def unit_rows(emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return e / torch.where(nonzero, norm, 1.0)[:, None], nonzero
 
 
+# ---- content keys (tie-breaking that never looks at labels or row order) -------------------------------------------
+MASK64 = (1 << 64) - 1
+_M1, _M2, _GOLDEN = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0x9E3779B97F4A7C15
+TIE_SALT = 0x5EED_A11C  # salt of the source tie-break key (fixed, so select_sources does not depend on ``seed``)
+
+
+def _signed(c: int) -> int:
+    c &= MASK64
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _srl(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finaliser on int64 bit patterns (wrapping arithmetic)."""
+    z = (z ^ _srl(z, 30)) * _signed(_M1)
+    z = (z ^ _srl(z, 27)) * _signed(_M2)
+    return z ^ _srl(z, 31)
+
+
+def content_key(values: torch.Tensor, salt: int) -> torch.Tensor:
+    """[S] int64 hash of each row of ``values`` [S, F] (float64 bit patterns, -0.0 read as 0.0):
+    ``mix64(sum_j mix64(bits_j + (j + 1) golden + salt))`` with wrapping sums. A function of the row's values
+    only, never of its position or labels."""
+    v = values.to(torch.float64) + 0.0
+    bits = v.contiguous().view(torch.int64)
+    cols = (torch.arange(1, v.shape[1] + 1, dtype=torch.int64) * _signed(_GOLDEN)) + _signed(salt)
+    return mix64(mix64(bits + cols).sum(-1))
+
+
+def row_content(steps: StepTable, emb_teacher: torch.Tensor, emb_student: torch.Tensor) -> torch.Tensor:
+    """[S, 2 + 2D] float64 content of each sorted row used for tie-breaking: turn index, reward, raw teacher and
+    student thinking embeddings (what :func:`select_sources` can see)."""
+    return torch.cat([steps.t.to(torch.float64)[:, None], steps.reward.to(torch.float64)[:, None],
+                      emb_teacher.to(torch.float64), emb_student.to(torch.float64)], 1)
+
+
 def similarity_blocks(blocks: TaskBlocks, teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
     """``H[g, target, source] = cos(E_teacher[source], E_student[target])`` within each task block (float64).
 
     Stored target-major (the transpose of the authors' ``H[source, target]``): a target's candidate sources are
-    the last dimension.
+    the last dimension. Materialises ``[G, M, M]``; the estimator uses :func:`correspondence_chunks` instead.
     """
     return blocks.gather(student) @ blocks.gather(teacher).transpose(1, 2)
 
@@ -97,39 +138,136 @@ def eligibility_blocks(blocks: TaskBlocks, teacher_ok: torch.Tensor, student_ok:
     return other & s_ok[:, :, None] & t_ok[:, None, :]
 
 
-def select_block_sources(h: torch.Tensor, b: torch.Tensor, blocks: TaskBlocks, tau: float, k: int) -> torch.Tensor:
-    """``[G, M, K]`` block positions of the chosen sources of every target (-1 = none).
+def select_block_sources(h: torch.Tensor, b: torch.Tensor, blocks: TaskBlocks, tau: float, k: int,
+                         key: torch.Tensor) -> torch.Tensor:
+    """``[G, C, K]`` block positions of the chosen sources of targets ``h``/``b`` ``[G, C, M]`` (-1 = none).
 
-    Candidates: ``B & H >= tau``; one best per source rollout; then the global top-K. Order and ties: descending H,
-    then the source's position (its ``(traj, t)`` order), as the authors' sort by ``(-H, identity)``.
+    Candidates: ``B & H >= tau``; one best per source rollout; then the global top-K. Order and ties: descending
+    H, then the source's content key ``key`` ``[G, M]`` (ascending; a hash of the row's data, never its label or
+    position). Only rows of identical content (equal keys) fall back to the block position.
+    O(C M) work, no sort over M.
     """
-    g, m, _ = h.shape
+    g, c, m = h.shape
+    r_n = max(blocks.n_rollouts, 1)
+    big = torch.iinfo(torch.int64).max
     cand = b & (h >= tau)
-    key = torch.where(cand, h, -math.inf)
-    order = torch.sort(key, dim=-1, descending=True, stable=True).indices  # ties keep the position order
-    cand_s = torch.gather(cand, -1, order)
-    rollout_s = torch.gather(blocks.rollout[:, None, :].expand(g, m, m), -1, order).clamp(min=0)
-    rank = torch.arange(m).expand(g, m, m)
-    first = torch.full((g, m, max(blocks.n_rollouts, 1)), m, dtype=torch.int64)
-    first.scatter_reduce_(-1, rollout_s, torch.where(cand_s, rank, m), "amin")
-    keep = cand_s & (torch.gather(first, -1, rollout_s) == rank)  # the best candidate of each source rollout
-    kept_rank = torch.cumsum(keep.to(torch.int64), -1) - 1
-    slot = torch.where(keep & (kept_rank < k), kept_rank, k)
-    chosen = torch.full((g, m, k + 1), -1, dtype=torch.int64)
-    chosen.scatter_(-1, slot, torch.where(slot < k, order, -1))  # slot k collects the rest and is dropped
-    return chosen[..., :k]
+    hk = torch.where(cand, h, -math.inf)
+    roll = blocks.rollout.clamp(min=0)[:, None, :].expand(g, c, m)
+    best = torch.full((g, c, r_n), -math.inf, dtype=torch.float64).scatter_reduce_(-1, roll, hk, "amax")
+    at_best = cand & (hk == torch.gather(best, -1, roll))
+    keys = key[:, None, :].expand(g, c, m)
+    kmin = torch.full((g, c, r_n), big, dtype=torch.int64).scatter_reduce_(
+        -1, roll, torch.where(at_best, keys, big), "amin")
+    win = at_best & (keys == torch.gather(kmin, -1, roll))
+    posn = torch.arange(m).expand(g, c, m)
+    pos_r = torch.full((g, c, r_n), m, dtype=torch.int64).scatter_reduce_(-1, roll, torch.where(win, posn, m), "amin")
+    # rank the rollouts' winners by (-H, key)
+    o1 = torch.sort(kmin, dim=-1, stable=True).indices
+    o2 = torch.sort(torch.gather(best, -1, o1), dim=-1, descending=True, stable=True).indices
+    order = torch.gather(o1, -1, o2)
+    best_s = torch.gather(best, -1, order)
+    pos_s = torch.gather(pos_r, -1, order)
+    chosen = torch.where(torch.isfinite(best_s), pos_s, -1)[..., :k]
+    if chosen.shape[-1] < k:
+        chosen = torch.cat([chosen, torch.full((g, c, k - chosen.shape[-1]), -1, dtype=torch.int64)], -1)
+    return chosen
 
 
-def sources_per_row(steps: StepTable, blocks: TaskBlocks, chosen: torch.Tensor,
-                    h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def exact_similarity(stu: torch.Tensor, tea: torch.Tensor) -> torch.Tensor:
+    """``H[g, c, s] = sum_d stu[g, c, d] tea[g, s, d]`` accumulated in a fixed order over ``d`` with separate
+    (correctly rounded) multiplies and adds, so each entry is bit-identical whatever the chunk shape or the
+    position of the rows (a BLAS matmul may round differently per tile, which would break exact ties)."""
+    g, c, d = stu.shape
+    h = torch.zeros(g, c, tea.shape[1], dtype=torch.float64)
+    tt = tea.transpose(1, 2).contiguous()  # [G, D, M]
+    tmp = torch.empty_like(h)
+    for j in range(d):
+        torch.mul(stu[:, :, j, None], tt[:, None, j, :], out=tmp)
+        h.add_(tmp)
+    return h
+
+
+DEFAULT_CHUNK_ELEMENTS = 1 << 21  # target x source entries per chunk (a few tens of MB of temporaries)
+BYTES_PER_ENTRY = 64  # rough peak bytes per [G, C, M] entry (H, B, profiles, logits, keys, indices, temporaries)
+MAX_BLOCK_BYTES = 4 << 30  # refuse a single chunk estimated above this many bytes
+
+
+@dataclass
+class Correspondence:
+    """Per-block outputs of the chunked M1 selection and M2 profile distances (block layout ``[G, M, ...]``)."""
+
+    chosen: torch.Tensor  # [G, M, K] block positions of the sources (-1 none)
+    sim: torch.Tensor  # [G, M, K] their H (0 where none)
+    prof_valid: torch.Tensor  # [G, M] bool
+    dist: torch.Tensor  # [G, M] profile distance to the previous turn of the same rollout
+    dist_valid: torch.Tensor  # [G, M] bool
+
+
+def chunk_rows(blocks: TaskBlocks, chunk_elements: int | None = None, max_bytes: int | None = None) -> int:
+    """Target positions per chunk so that a ``[G, C, M]`` slab holds about ``chunk_elements`` entries (default
+    :data:`DEFAULT_CHUNK_ELEMENTS`); raises a ValueError when even one target position per group cannot fit
+    ``max_bytes`` (default :data:`MAX_BLOCK_BYTES`), before anything of that size is allocated."""
+    chunk_elements = DEFAULT_CHUNK_ELEMENTS if chunk_elements is None else chunk_elements
+    max_bytes = MAX_BLOCK_BYTES if max_bytes is None else max_bytes
+    g, m = blocks.rows.shape
+    per_row = max(g * m, 1)
+    need = per_row * 2 * BYTES_PER_ENTRY  # one target position plus its predecessor
+    if need > max_bytes:
+        raise ValueError(f"alignopsd: the task blocks are {g} group(s) x {m} rows (largest task group: {m} turn rows); "
+                         f"even one target row per group needs about {need / 2**30:.2f} GiB of similarity "
+                         f"workspace (limit {max_bytes / 2**30:.2f} GiB). Use smaller task groups (fewer "
+                         f"rollouts or turns per task), split the batch into fewer groups per call, or raise "
+                         f"credit_plugins.estimators._alignopsd_m1.MAX_BLOCK_BYTES")
+    return max(1, min(m, chunk_elements // per_row, max_bytes // (per_row * BYTES_PER_ENTRY) - 1))
+
+
+def correspondence_chunks(blocks: TaskBlocks, teacher: torch.Tensor, t_ok: torch.Tensor, student: torch.Tensor,
+                          s_ok: torch.Tensor, key: torch.Tensor, tau: float, k: int, t_prof: float, distance: str,
+                          n_rows: int, chunk: int | None = None) -> Correspondence:
+    """Source selection (M1), profiles and adjacent distances (M2) over chunks of target positions.
+
+    Each chunk builds ``H``/``B`` for ``C`` target positions (plus the previous position, for the adjacent
+    distance) against every source of the block: peak memory ``O(G C M)``, never ``[G, M, M]``. The results do not
+    depend on the chunk size.
+    """
+    from ._alignopsd_m2 import profiles, profile_distance  # m2 imports TaskBlocks from here
+
+    g, m = blocks.rows.shape
+    chunk = chunk or chunk_rows(blocks)
+    tea, stu = blocks.gather(teacher), blocks.gather(student)
+    tok, sok = blocks.gather(t_ok, False), blocks.gather(s_ok, False)
+    key_b = blocks.gather(key, 0)
+    chosen = torch.full((g, m, k), -1, dtype=torch.int64)
+    sim = torch.zeros(g, m, k, dtype=torch.float64)
+    prof_valid = torch.zeros(g, m, dtype=torch.bool)
+    dist = torch.zeros(g, m, dtype=torch.float64)
+    dvalid = torch.zeros(g, m, dtype=torch.bool)
+    for c0 in range(0, m, chunk):
+        c1 = min(m, c0 + chunk)
+        lo = max(c0 - 1, 0)  # one position of overlap: the predecessor of the chunk's first target
+        h = exact_similarity(stu[:, lo:c1], tea)  # [G, C', M]
+        b = (blocks.rollout[:, lo:c1, None] != blocks.rollout[:, None, :]) & sok[:, lo:c1, None] & tok[:, None, :]
+        off = c0 - lo
+        ch = select_block_sources(h[:, off:], b[:, off:], blocks, tau, k, key_b)
+        chosen[:, c0:c1] = ch
+        sim[:, c0:c1] = torch.where(ch >= 0, torch.gather(h[:, off:], -1, ch.clamp(min=0)), 0.0)
+        prof, pv = profiles(h, b, tau, t_prof)
+        prof_valid[:, c0:c1] = pv[:, off:]
+        if c1 - lo > 1:
+            same = blocks.present[:, lo + 1:c1] & (blocks.rollout[:, lo + 1:c1] == blocks.rollout[:, lo:c1 - 1])
+            ok = same & pv[:, 1:] & pv[:, :-1] & (b[:, 1:] == b[:, :-1]).all(-1)
+            dist[:, lo + 1:c1] = torch.where(ok, profile_distance(prof[:, :-1], prof[:, 1:], distance, n_rows), 0.0)
+            dvalid[:, lo + 1:c1] = ok
+    return Correspondence(chosen, sim, prof_valid, dist, dvalid)
+
+
+def sources_per_row(steps: StepTable, blocks: TaskBlocks, corr: Correspondence) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sorted row: ``src`` [S, K] sorted-row indices of its sources (-1 none) and their ``sim`` [S, K] H
     (0 where none)."""
-    pos = blocks.per_row(chosen, steps.row_group)  # [S, K]
+    pos = blocks.per_row(corr.chosen, steps.row_group)  # [S, K]
     has = pos >= 0
     src = torch.where(has, blocks.rows[steps.row_group[:, None], pos.clamp(min=0)], -1)
-    h_row = blocks.per_row(h, steps.row_group)  # [S, M]
-    sim = torch.where(has, torch.gather(h_row, 1, pos.clamp(min=0)), 0.0)
-    return src, sim
+    return src, blocks.per_row(corr.sim, steps.row_group)
 
 
 def source_weights(sim: torch.Tensor, has: torch.Tensor, t_agg: float) -> torch.Tensor:

@@ -17,7 +17,7 @@ from ..segments import segment_sum
 from ._alignopsd_m1 import TaskBlocks
 
 __all__ = ["DISTANCES", "profiles", "adjacent_distance", "segmentation_threshold", "segment_boundaries",
-           "segment_ids", "segment_softmax", "hierarchical_density", "project_budget"]
+           "segment_ids", "profile_distance", "random_priority", "segment_softmax", "hierarchical_density", "project_budget"]
 
 DISTANCES = ("jsd", "entropy", "cosine")
 BIG = 1 << 40
@@ -46,7 +46,8 @@ def _entropy(p: torch.Tensor) -> torch.Tensor:
     return -torch.where(p > 0, p * torch.log(torch.where(p > 0, p, 1.0)), 0.0).sum(-1)
 
 
-def _distance(p: torch.Tensor, q: torch.Tensor, mode: str, n_rows: int) -> torch.Tensor:
+def profile_distance(p: torch.Tensor, q: torch.Tensor, mode: str, n_rows: int) -> torch.Tensor:
+    """Distance between profile rows ``p`` and ``q`` (jsd / entropy / cosine), clipped to [0, 1]."""
     if mode == "jsd":  # normalised Jensen-Shannon divergence, natural logs / ln 2
         m = 0.5 * (p + q)
         d = 0.5 * (_xlogy_ratio(p, m) + _xlogy_ratio(q, m)) / math.log(2.0)
@@ -70,9 +71,24 @@ def adjacent_distance(blocks: TaskBlocks, p: torch.Tensor, p_valid: torch.Tensor
     if m > 1:
         same = blocks.present[:, 1:] & (blocks.rollout[:, 1:] == blocks.rollout[:, :-1])
         ok = same & p_valid[:, 1:] & p_valid[:, :-1] & (b[:, 1:] == b[:, :-1]).all(-1)
-        dist[:, 1:] = torch.where(ok, _distance(p[:, :-1], p[:, 1:], mode, n_rows), 0.0)
+        dist[:, 1:] = torch.where(ok, profile_distance(p[:, :-1], p[:, 1:], mode, n_rows), 0.0)
         valid[:, 1:] = ok
     return dist, valid
+
+
+_distance = profile_distance
+
+
+def random_priority(traj_key: torch.Tensor, width: int, seed: int) -> torch.Tensor:
+    """``[N, width]`` float64 cut priorities in [0, 1) of ablation D: a seeded hash of each trajectory's content
+    key and the cut position, so relabelling or reordering rollouts leaves every rollout's spans unchanged.
+    ``u = top 53 bits of mix64(traj_key + mix64(seed * golden + (p + 1) * M2))``."""
+    from ._alignopsd_m1 import _GOLDEN, _M2, _signed, _srl, mix64
+
+    pos = torch.arange(width, dtype=torch.int64)
+    salt = mix64(torch.full((width,), _signed(seed * _GOLDEN), dtype=torch.int64) + (pos + 1) * _signed(_M2))
+    z = mix64(traj_key[:, None] + salt[None, :])
+    return _srl(z, 11).to(torch.float64) * 2.0 ** -53
 
 
 def segmentation_threshold(dist: torch.Tensor, valid: torch.Tensor, quantile: float, lo: float, hi: float) -> float:

@@ -30,14 +30,14 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.linalg
 import scipy.sparse as sp
-import scipy.sparse.csgraph as csgraph
 import scipy.sparse.linalg as spla
 import torch
+from scipy.sparse import csgraph
 
 from ..steptable import StepTable
 
-__all__ = ["TransitionGraph", "transition_graph", "solve", "solve_direct", "SolveStats", "bellman_iterate",
-           "distance_to_success"]
+__all__ = ["SolveStats", "TransitionGraph", "bellman_iterate", "distance_to_success", "solve", "solve_direct",
+           "transition_graph"]
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ arXiv:2609.33391. Spec: ``DISTILL.md`` §8 [S-code]: follows the authors' code `
 (``thinking_correspondence.py`` = M1, ``correspondence_credit.py`` = M2, ``beyond_timestamps_trainer.yaml``).
 
     H[s,t]     = cos(E_teacher_think[s], E_student_think[t]),  B[s,t] = same task & other rollout & both non-empty
-    S_t        = top-K of {one best s per rollout : B[s,t], H[s,t] >= tau_sim}    (ties: (traj, t) order)
+    S_t        = top-K of {one best s per rollout : B[s,t], H[s,t] >= tau_sim}    (ties: content key of s)
     omega_s    = softmax_{s in S_t}(H[s,t] / T_agg),   rho_t = sum_s omega_s clip((H[s,t] - tau) / (1 - tau), 0, 1)
     l^cross_t  = log sum_s omega_s exp(l^cross_{s->t})   (probability_mixture)  |  sum_s omega_s l^cross_{s->t}
     alpha_t    = alpha_max rho_t  (0 without logp_cross or without a source)
@@ -47,9 +47,15 @@ Decisions where the spec is open or reconstructed:
   distances. The defaults are ``beyond_timestamps_trainer.yaml`` (alpha_max 0.80, not the code fallback 0.20),
   except ``grpo_scope="turn"``: the yaml's base value is ``trajectory`` but five of the six launchers
   (CONFIGS.md) set ``turn``; Search-3B uses ``trajectory`` with ``log_mean``.
-* [R] Tie-breaking of equal similarities: by the source's ``(traj, t)`` order in the table (the authors sort by
-  the string identity ``(task, rollout, turn)``). H is computed in float64 (the authors: float32), so a
-  similarity within float32 rounding of ``tau_sim`` may be kept here and dropped there.
+* [R] Tie-breaking of equal similarities: by the source's content key, a splitmix64 hash of its turn index,
+  reward and raw teacher/student embeddings (``_alignopsd_m1.content_key``), never by trajectory/group labels or
+  row order (the authors sort by the string identity ``(task, rollout, turn)``, so renaming rollouts could change
+  a third rollout's credit). Only rows of identical content fall back to their position, and they carry the same
+  similarity. ``allocation="random"`` ranks cuts by a hash of ``seed``, the rollout's content key (the wrapping
+  sum of its rows' keys) and the cut position, so relabelling or reordering rollouts keeps every rollout's spans.
+  H is computed in float64 (the authors: float32) with a fixed-order sum over the embedding dimension, so equal
+  embeddings give bit-equal similarities whatever their positions; a similarity within float32 rounding of
+  ``tau_sim`` may be kept here and dropped there.
 * [R] A group with one rollout gets ``A_traj = 0`` (the authors' code raises; GRPO needs two siblings and the
   spec asks for 0, not verl's ``R / (1 + eps)``); a group whose returns are all equal gets 0 as well (std 0).
 * [R] ``valid`` residual: the episode outcome is the table's return ``R = sum_t r_t`` broadcast to the turns, as
@@ -65,7 +71,10 @@ Decisions where the spec is open or reconstructed:
   ``sum_k N_k w_k = sum_k N_k`` to float64 rounding (RuntimeError past 1e-9 relative, or if a weight leaves its
   band by more than 1e-9). Not implemented: the optional action-embedding filter (action cosine >= 0.80) and the
   protocol term of B; the SDAR-gated M1-only auxiliary loss belongs to the trainer, not to this estimator.
-* Memory: H, B and the profiles are ``[G, M, M]`` float64 blocks (M = most turn rows in one task group).
+* Memory: H, B and the profiles are computed over chunks of target rows, ``[G, C, M]`` at a time (M = most turn
+  rows in one task group, ``C`` from ``_alignopsd_m1.DEFAULT_CHUNK_ELEMENTS``), never the full ``[G, M, M]``; the
+  results do not depend on ``C``. A ValueError names the group size before a chunk that would exceed
+  ``_alignopsd_m1.MAX_BLOCK_BYTES`` is allocated (use smaller task groups). Time is still O(G M^2 D).
 """
 
 import math
@@ -323,22 +332,26 @@ def _valid(steps: StepTable) -> torch.Tensor | None:
 @dataclass
 class _Correspondence:
     blocks: m1.TaskBlocks
-    h: torch.Tensor  # [G, M, M] target-major
-    b: torch.Tensor  # [G, M, M]
     src: torch.Tensor  # [S, K] sorted rows
     sim: torch.Tensor  # [S, K]
+    key: torch.Tensor  # [S] int64 content key of each row (tie-breaking, random spans)
+    prof_valid: torch.Tensor  # [S] bool
+    dist: torch.Tensor  # [S] adjacent profile distance
+    bvalid: torch.Tensor  # [S] bool
 
 
 def _correspondence(steps: StepTable, p: AlignOPSDParams) -> _Correspondence:
     et, es = _embeddings(steps)
     teacher, t_ok = m1.unit_rows(et)
     student, s_ok = m1.unit_rows(es)
+    key = m1.content_key(m1.row_content(steps, et, es), m1.TIE_SALT)
     blocks = m1.task_blocks(steps)
-    h = m1.similarity_blocks(blocks, teacher, student)
-    b = m1.eligibility_blocks(blocks, t_ok, s_ok)
-    chosen = m1.select_block_sources(h, b, blocks, p.tau_sim, p.top_k)
-    src, sim = m1.sources_per_row(steps, blocks, chosen, h)
-    return _Correspondence(blocks, h, b, src, sim)
+    corr = m1.correspondence_chunks(blocks, teacher, t_ok, student, s_ok, key, p.tau_sim, p.top_k, p.t_prof,
+                                    p.distance, steps.n_steps)
+    src, sim = m1.sources_per_row(steps, blocks, corr)
+    rg = steps.row_group
+    return _Correspondence(blocks, src, sim, key, blocks.per_row(corr.prof_valid, rg), blocks.per_row(corr.dist, rg),
+                           blocks.per_row(corr.dist_valid, rg))
 
 
 def _params(params: AlignOPSDParams | None, values: dict[str, Any], owner: str) -> AlignOPSDParams:
@@ -402,12 +415,17 @@ def _traj_major(steps: StepTable, values: torch.Tensor, fill) -> torch.Tensor:
     return out
 
 
-def _segments(steps: StepTable, p: AlignOPSDParams, dist: torch.Tensor, bvalid: torch.Tensor, theta: float):
+def trajectory_keys(steps: StepTable, key: torch.Tensor) -> torch.Tensor:
+    """[N] int64 content key of each trajectory: ``mix64`` of the wrapping sum of its rows' keys."""
+    return m1.mix64(torch.zeros(steps.n_traj, dtype=torch.int64).index_add_(0, steps.row_traj, key))
+
+
+def _segments(steps: StepTable, p: AlignOPSDParams, dist: torch.Tensor, bvalid: torch.Tensor, theta: float,
+              key: torch.Tensor):
     d, v = _traj_major(steps, dist, 0.0), _traj_major(steps, bvalid, False)
     priority = None
-    if p.allocation == "random":
-        gen = torch.Generator().manual_seed(p.seed)
-        priority = torch.rand(d.shape, generator=gen, dtype=torch.float64)
+    if p.allocation == "random":  # a seeded hash of the rollout's content, not of its label or position
+        priority = m2.random_priority(trajectory_keys(steps, key), d.shape[1], p.seed)
     bnd = m2.segment_boundaries(d, v, steps.traj_len, theta, p.min_seg, p.max_seg, p.theta_min, priority)
     return m2.segment_ids(bnd, steps.traj_len, steps.row_traj, steps.t)
 
@@ -435,13 +453,14 @@ class _Allocation:
 
 
 def _turn_allocation(steps: StepTable, p: AlignOPSDParams, n_tok: torch.Tensor, score: torch.Tensor,
-                     dist: torch.Tensor, bvalid: torch.Tensor, theta: float, length: int) -> _Allocation:
+                     dist: torch.Tensor, bvalid: torch.Tensor, theta: float, length: int,
+                     key: torch.Tensor) -> _Allocation:
     """Hierarchical (E), random-span (D) or flat-turn (C, one span per trajectory) turn weights."""
     lo, hi = p.box
     if p.allocation == "flat_turn":
         seg, n_seg, seg_traj = steps.row_traj, steps.n_traj, torch.arange(steps.n_traj)
     else:
-        seg, n_seg, seg_traj = _segments(steps, p, dist, bvalid, theta)
+        seg, n_seg, seg_traj = _segments(steps, p, dist, bvalid, theta, key)
     b_seg, q, h_raw = m2.hierarchical_density(n_tok, score, seg, n_seg, seg_traj, steps.row_traj, steps.n_traj,
                                               p.t_c)
     h = m2.project_budget(h_raw, n_tok, steps.row_traj, steps.n_traj, lo, hi)
@@ -498,9 +517,7 @@ def alignopsd_terms(steps: StepTable, p: AlignOPSDParams) -> AlignOPSDTerms:
     gap = torch.where(mask, lp_rect - logp_old, 0.0)
 
     # M2: profiles, adjacent distances, threshold
-    prof, prof_valid = m2.profiles(c.h, c.b, p.tau_sim, p.t_prof)
-    dist_b, bvalid_b = m2.adjacent_distance(c.blocks, prof, prof_valid, c.b, p.distance, steps.n_steps)
-    dist, bvalid = c.blocks.per_row(dist_b, steps.row_group), c.blocks.per_row(bvalid_b, steps.row_group)
+    dist, bvalid = c.dist, c.bvalid
     theta = m2.segmentation_threshold(dist, bvalid, p.quantile, p.theta_min, p.theta_max)
 
     # M2: base credit, turn evidence, allocation
@@ -512,12 +529,12 @@ def alignopsd_terms(steps: StepTable, p: AlignOPSDParams) -> AlignOPSDTerms:
     if p.allocation == "flat_token":
         alloc = _token_allocation(steps, p, gap, mask, a_traj, n_tok)
     else:
-        alloc = _turn_allocation(steps, p, n_tok, score, dist, bvalid, theta, mask.shape[1])
+        alloc = _turn_allocation(steps, p, n_tok, score, dist, bvalid, theta, mask.shape[1], c.key)
     token_weight = alloc.token_weight * maskf
     residual = _invalid_residual(steps, p, valid)
     advantage = maskf * (a_traj[:, None] * token_weight + residual[:, None])
     return AlignOPSDTerms(src=c.src, sim=c.sim, omega=omega, rho=rho, alpha=alpha, logp_cross=cross, lp_rect=lp_rect,
-                          gap=gap, profile_valid=c.blocks.per_row(prof_valid, steps.row_group), distance=dist,
+                          gap=gap, profile_valid=c.prof_valid, distance=dist,
                           boundary_valid=bvalid, theta=theta, segment=alloc.segment, a_traj=a_traj, n_tokens=n_tok,
                           turn_gap=turn_gap, score=score, span_budget=alloc.span_budget,
                           turn_budget=alloc.turn_budget, h_raw=alloc.h_raw, h=alloc.h, w=alloc.w,

@@ -33,7 +33,8 @@ Conventions (decisions where the paper is silent; spec §15.4):
   happens", so they are credited below the valid actions). A state where every row has key -1 has one action, so
   its gate is closed: missing action keys give no step credit (CRBC falls back to A^G), never spurious credit.
 * beta = 1 is allowed: every observed state reaches a boundary along its own rollout, so the chain is absorbing
-  and the closure is unique. Cycles and self-loops need nothing special (``_graph.solve``, exact).
+  and the closure is unique. Cycles and self-loops need nothing special (``_graph.solve``: exact LU, or certified
+  GMRES to a float64-level error on a component too large to factorise).
 """
 
 import math

@@ -32,7 +32,8 @@ Conventions (decisions where the paper is silent; spec §15.3):
   whose returns are all equal gets exactly 0 (the paper's Eq. 1 convention; verl's GRPO keeps R/(1+eps) for a
   singleton).
 * The fixed point is unique on any directed graph (cycles, self-loops), also at gamma = 1 (absorbing chain):
-  one exact sparse solve for all groups (``_graph.solve``). For 1 < omega < inf the backup is linear in
+  one solve for all groups (``_graph.solve``: sparse LU per strongly connected component, certified GMRES to a
+  float64-level error for a component too large to factorise). For 1 < omega < inf the backup is linear in
   Phi^omega, which solves the same kind of system; see :func:`node_potential`.
 """
 

@@ -10,15 +10,16 @@ order, 0 off the response mask. :class:`UniOPSDReference` is the loop reference 
 
 The decisions the estimators document (their module docstrings) are followed here as written there: UniOPSD's
 lower medians, the 1e-9 / 1e-12 relative tolerances of "constant" anchor groups and "varying" tiers, the first batch
-teacher-off; AlignOPSD's tie-breaking by the source's ``(traj, t)`` order, the ``log S`` entropy normaliser, the
-flat-token weights without mu mixing, the random spans drawn from ``torch.rand(generator=manual_seed(seed))`` over the
-``[n_traj, max_len + 1]`` cut grid (the same draw as the estimator, so the same spans), and the invalid-action
-residual. Only the inputs are checked that the arithmetic needs (mask tokens present, cross sources as selected).
+teacher-off; AlignOPSD's tie-breaking by the source's content key (a splitmix64 hash of the row's turn index,
+reward and raw embeddings, re-implemented here on Python ints), the ``log S`` entropy normaliser, the flat-token
+weights without mu mixing, the random spans ranked by a seeded hash of the rollout's content key and the cut
+position (the same hash as the estimator, so the same spans), and the invalid-action residual. Only the inputs are checked that the arithmetic needs (mask tokens present, cross sources as selected).
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -405,6 +406,41 @@ def _project(raw: list[float], counts: list[float], lo: float, hi: float) -> lis
     return [lo] * len(raw)     # unreachable for lo <= 1 (f(max breakpoint) = lo sum counts <= target)
 
 
+# ---- AlignOPSD content keys on Python ints (splitmix64; the estimator's _alignopsd_m1.content_key) ------------------
+_MASK64 = (1 << 64) - 1
+_SM1, _SM2, _GOLD = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0x9E3779B97F4A7C15
+_TIE_SALT = 0x5EED_A11C
+
+
+def _mix64(z: int) -> int:
+    z &= _MASK64
+    z = ((z ^ (z >> 30)) * _SM1) & _MASK64
+    z = ((z ^ (z >> 27)) * _SM2) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _as_signed(z: int) -> int:
+    z &= _MASK64
+    return z - (1 << 64) if z >= 1 << 63 else z
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<Q", struct.pack("<d", float(x) + 0.0))[0]
+
+
+def _content_key(values: list[float]) -> int:
+    """Unsigned 64-bit key: mix64(sum_j mix64(bits_j + (j + 1) golden + salt)), sums mod 2^64."""
+    total = 0
+    for j, x in enumerate(values):
+        total += _mix64(_float_bits(x) + (j + 1) * _GOLD + _TIE_SALT)
+    return _mix64(total)
+
+
+def _cut_priority(traj_key: int, pos: int, seed: int) -> float:
+    salt = _mix64(seed * _GOLD + (pos + 1) * _SM2)
+    return (_mix64(traj_key + salt) >> 11) * 2.0 ** -53
+
+
 def alignopsd_reference(steps: StepTable, p: AlignOPSDParams) -> torch.Tensor:
     """AlignOPSD's ``fn``: ``[S, L]`` float64 token advantages in sorted row order (§8.2 M1, §8.3 M2), by loops."""
     what = "alignopsd reference"
@@ -437,15 +473,19 @@ def alignopsd_reference(steps: StepTable, p: AlignOPSDParams) -> torch.Tensor:
 
     elig = [[s for s in rows.of_group[rows.group[t]] if eligible(s, t)] for t in range(n)]
     h = [{s: sim(s, t) for s in elig[t]} for t in range(n)]
+    t_list, r_list = steps.t.tolist(), steps.reward.to(torch.float64).tolist()
+    key = [_content_key([t_list[i], r_list[i]] + emb_t[i] + emb_s[i]) for i in range(n)]  # content, not labels
+    skey = [_as_signed(k) for k in key]
     src: list[list[int]] = []
     for t in range(n):
-        best: dict[int, tuple[float, int]] = {}           # one best source per rollout, ties by (traj, t) order
+        best: dict[int, tuple[float, int, int]] = {}      # one best source per rollout, ties by content key
         for s in elig[t]:
             if h[t][s] >= p.tau_sim:
                 r = rows.traj[s]
-                if r not in best or (-h[t][s], s) < (-best[r][0], best[r][1]):
-                    best[r] = (h[t][s], s)
-        src.append([s for _, s in sorted(best.values(), key=lambda hs: (-hs[0], hs[1]))[:p.top_k]])
+                if r not in best or (-h[t][s], skey[s], s) < (-best[r][0], best[r][1], best[r][2]):
+                    best[r] = (h[t][s], skey[s], s)
+        ranked = sorted(best.values(), key=lambda hks: (-hks[0], hks[1]))
+        src.append([s for _, _, s in ranked[:p.top_k]])
 
     # ---- M1: weights, confidence, strength, rectified gap -----------------------------------------------------
     omega = [_softmax([h[t][s] / p.t_agg for s in src[t]]) if src[t] else [] for t in range(n)]
@@ -523,10 +563,11 @@ def alignopsd_reference(steps: StepTable, p: AlignOPSDParams) -> torch.Tensor:
                 token_w[i][j] = x
     else:
         priority = None
-        if p.allocation == "random":        # ablation D: the estimator's draw, one row of cut priorities per rollout
-            width = max(len(r) for r in rows.of_traj.values()) + 1
-            gen = torch.Generator().manual_seed(p.seed)
-            priority = torch.rand((steps.n_traj, width), generator=gen, dtype=torch.float64).tolist()
+        if p.allocation == "random":        # ablation D: seeded hash of the rollout's content and the cut position
+            priority = {}
+            for k, rows_k in rows.of_traj.items():
+                tkey = _mix64(sum(key[i] for i in rows_k))
+                priority[k] = [_cut_priority(tkey, c, p.seed) for c in range(len(rows_k) + 1)]
         for k, rows_k in rows.of_traj.items():
             m = len(rows_k)
             if p.allocation == "flat_turn":     # ablation C: one span per rollout
