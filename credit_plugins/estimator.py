@@ -10,7 +10,7 @@ import textwrap
 import threading
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -105,6 +105,8 @@ def check_value(name: str, value: Any, annotation: Any, meta: Mapping[str, Any] 
             return value
         raise ValueError(f"{where}: None is not allowed; give a {'/'.join(sorted(k.__name__ for k in kinds))}")
     if kinds & {tuple, list}:
+        if isinstance(value, Sequence) and not isinstance(value, (str, bytes, tuple, list)):
+            value = list(value)  # e.g. an OmegaConf ListConfig from a verl/Hydra config
         if not isinstance(value, (tuple, list)):
             if kinds <= {tuple, list}:
                 raise ValueError(f"{where}: must be a list, not a {type(value).__name__}")

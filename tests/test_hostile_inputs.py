@@ -100,6 +100,9 @@ def test_check_value_rules():
         check_value("x", "c", str, {"choices": ("a", "b")})
     with pytest.raises(ValueError, match="element 1 is nan"):
         check_value("w", [0.2, float("nan")], tuple[float, ...])
+    from omegaconf import OmegaConf  # verl/Hydra configs hand over ListConfigs
+
+    assert check_value("w", OmegaConf.create([0.2, 0.8]), tuple[float, ...]) == [0.2, 0.8]
 
 
 # ---- environments ---------------------------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ def estimator_params(config: Any, name: str) -> dict[str, Any]:
     sub = config.get(name, None) if hasattr(config, "get") else getattr(config, name, None)
     if sub is None:
         return {}
-    if not isinstance(sub, Mapping):
+    if not isinstance(sub, dict):  # a DictConfig (nested ListConfigs too) becomes plain dicts and lists
         try:
             from omegaconf import OmegaConf
 
