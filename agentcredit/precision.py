@@ -54,9 +54,10 @@ def resolve_bf16(value: Any, device: str | None = None, capabilities: dict[str, 
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if capabilities is None and device == "cpu":
+        capabilities = _cpu_capabilities()  # read once: for the decision and the message
     if native_bf16(device, capabilities):
         return True, f"bf16 autocast: {device} has native bf16"
-    caps = _cpu_capabilities() if capabilities is None and device == "cpu" else (capabilities or {})
-    name = caps.get("cpu_name") or device
+    name = (capabilities or {}).get("cpu_name") or device
     return False, (f"fp32: {name} has no native bf16 (no avx512_bf16/amx_bf16), where bf16 matmuls run 25-60x "
                    f"slower than fp32; force it with bf16=true")

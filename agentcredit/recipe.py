@@ -152,10 +152,16 @@ def _trl_fields() -> tuple[frozenset[str], frozenset[str]]:
             frozenset(f.name for f in dataclasses.fields(model_config())))
 
 
-def _trl_default(name: str) -> Any:
+@lru_cache(maxsize=1)
+def _trl_defaults() -> dict[str, Any]:
+    """``trl.GRPOConfig``'s field defaults."""
     from agentcredit.trl import grpo_config
 
-    return {f.name: f.default for f in dataclasses.fields(grpo_config())}[name]
+    return {f.name: f.default for f in dataclasses.fields(grpo_config())}
+
+
+def _trl_default(name: str) -> Any:
+    return _trl_defaults()[name]
 
 
 def _suggest(key: str, valid) -> str:
@@ -554,9 +560,7 @@ def _micro_batches_that_fit(rows: int, world: int, most: int = 24) -> list[int]:
 def _check_trl_types(trl_args: dict[str, Any]) -> None:
     """Numeric ``GRPOConfig`` fields get numbers (finite ones): ``learning_rate=fast`` or ``.nan`` is an error here,
     not a crash (or a NaN run) later. The type is the field's default's (TRL's dataclass annotations are strings)."""
-    from agentcredit.trl import grpo_config
-
-    defaults = {f.name: f.default for f in dataclasses.fields(grpo_config())}
+    defaults = _trl_defaults()
     for key, value in trl_args.items():
         default = defaults.get(key)
         if isinstance(default, bool) or not isinstance(default, (int, float)) or value is None:

@@ -597,7 +597,7 @@ def test_state_dict_is_plain_python_and_validated():
     est = MVPO()
     est(success_batch(2))
     s = est.state_dict()
-    assert set(s) == set(MVPO.STATE_KEYS)
+    assert set(s) == set(MVPO.STATE_SCHEMA)
     assert all(isinstance(v, (int, float, list, type(None))) for v in s.values())
     with pytest.raises(ValueError, match="missing keys"):
         MVPO().load_state_dict({"kappa": 1.0})

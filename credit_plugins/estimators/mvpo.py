@@ -480,7 +480,6 @@ class MVPO(StatefulEstimator):
     """
 
     STATE_DOC = "the success EMA sbar and its initial value s_0 (kappa schedule, Eq. 20) and the AMP milestone weights w"
-    STATE_KEYS = ("batches", "success_ema", "success_init", "milestone_weights", "kappa")
     STATE_SCHEMA = {"batches": (int, {"low": 0, "high": 2**63 - 1}),
                     "success_ema": (float | None, {"low": 0.0, "high": 1.0}),
                     "success_init": (float | None, {"low": 0.0, "high": 1.0}),

@@ -320,7 +320,6 @@ class SIPO(StatefulEstimator):
     """
 
     STATE_DOC = "the selection-outcome coefficient a2 estimated on the previous batch (order-statistic correction)"
-    STATE_KEYS = ("a2", "a2_candidates", "batches")
     STATE_SCHEMA = {"a2": (float | None, {}), "a2_candidates": (int, {"low": 0, "high": 2**63 - 1}),
                     "batches": (int, {"low": 0, "high": 2**63 - 1})}
 

@@ -407,7 +407,6 @@ class UniOPSD(StatefulEstimator):
     """
 
     STATE_DOC = "the correlation EMA rhobar of A^S and A^O with its row count n_prev (trust c*) and the batch counter m"
-    STATE_KEYS = ("step", "rho_ema", "n_prev")
     STATE_SCHEMA = {"step": (int, {"low": 0, "high": 2**63 - 1}), "rho_ema": (float | None, {"low": -1.0, "high": 1.0}),
                     "n_prev": (int, {"low": 0, "high": 2**63 - 1})}
 
