@@ -7,6 +7,8 @@
 The batch is ALFWorld-shaped: groups of 8 rollouts from one initial state, each a random walk of 5-50 steps on
 that task's small state graph (so anchors recur across rollouts and within one), about 1/3 successful with the
 10/0 reward at the last step. Keys are int64 (hashing strings is the env adapter's cost, not the estimator's).
+The flat table also times ``tjpo`` (an 8-dim one-hot state-class descriptor per step), ``mt_grpo``, ``gtpo`` and
+``mix`` (its default 0.5 grpo + 0.5 gigpo) against their loop references.
 
 ``--shape one-group`` is one task group of S/20 rollouts of 20 steps whose states are drawn uniformly from S/10
 values, and ``--shape long`` one group of 10 rollouts of S/10 steps (same state draw): the rollouts keep meeting,
@@ -77,8 +79,11 @@ def alfworld_like_batch(n_rows: int, seed: int = 0, group_size: int = 8, max_len
     milestones = (rng.random((traj.size, 5)) < [0.1, 0.05, 0.05, 0.0, 0.05]).astype(np.float64)
     milestones[:, 3] = last & success
     loop_flag = (rng.random(traj.size) < 0.05).astype(np.int64)
+    # TJPO's per-step descriptor: a one-hot of the state class (8 kinds), so a trajectory's is its visit histogram
+    descriptor = np.eye(8)[state % 8]
     return dict(group=group, traj=traj, t=t, state=state, action=action, reward=reward, success=success,
-                truncated=truncated, extras=dict(signature=signature, milestones=milestones, loop_flag=loop_flag))
+                truncated=truncated, extras=dict(signature=signature, milestones=milestones, loop_flag=loop_flag,
+                                                 descriptor=descriptor))
 
 
 def one_group_batch(n_rows: int, seed: int = 0, traj_len: int = 20, n_rollouts: int | None = None):
@@ -218,7 +223,7 @@ EXTENDED = {"uniopsd": lambda n: hindsight_batch(n), "alignopsd": lambda n: hind
             "tree_grpo": tree_batch}
 
 
-def run_extended(sizes, repeat: int, names=None) -> None:
+def run_extended(sizes, repeat: int, names=None, hindsight_limit: int = 10**9) -> None:
     """The rollout-specific estimators against GiGPO on the flat batch of the same size (see the module doc)."""
     names = [n for n in (names or EXTENDED) if n in EXTENDED and n in cp.available()]
     if not names:
@@ -228,8 +233,8 @@ def run_extended(sizes, repeat: int, names=None) -> None:
         flat = cp.StepTable(**alfworld_like_batch(size))
         base = best_of(lambda: run_estimator("gigpo", flat), repeat)
         for name in names:
-            if name in ("uniopsd", "alignopsd") and size > 100_000:
-                continue  # [S, 64] blocks of 1e6 rows do not fit this machine's budget for a benchmark
+            if name in ("uniopsd", "alignopsd") and size > hindsight_limit:
+                continue  # [S, 64] token blocks (and AlignOPSD's [S, 3, 64] cross scores) take GBs at 1e6 rows
             steps = cp.StepTable(**EXTENDED[name](size))
             run_estimator(name, steps)
             fast = best_of(lambda: run_estimator(name, steps), repeat)
@@ -277,12 +282,22 @@ def main(argv=None):
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     parser.add_argument("--estimators", nargs="+", default=None,
                         help="default: every registered estimator (graphhca and crbc for the one-group shapes)")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="alfworld",
-                        help="alfworld: groups of 8 rollouts (default); one-group / long: one large group")
+    parser.add_argument("--shape", choices=[*sorted(SHAPES), "all"], default="alfworld",
+                        help="alfworld: groups of 8 rollouts (default); one-group / long: one large group; all: the "
+                             "three in turn (one-group / long up to 1e5 rows)")
     parser.add_argument("--repeat", type=int, default=3, help="best of N runs of the vectorised estimator")
     parser.add_argument("--naive-limit", type=int, default=1_000_000,
                         help="run the per-row reference on at most this many rows and scale linearly above")
+    parser.add_argument("--hindsight-limit", type=int, default=10**9,
+                        help="skip UniOPSD/AlignOPSD above this many rows (their token blocks take GBs at 1e6)")
     args = parser.parse_args(argv)
+    if args.shape == "all":  # every shape in one run; the one-group shapes up to 1e5 rows (their issue-17 size)
+        rest = list(sys.argv[1:] if argv is None else argv)
+        for shape in ("alfworld", "one-group", "long"):
+            sizes = args.sizes if shape == "alfworld" else [n for n in args.sizes if n <= 100_000]
+            print(f"\n== shape {shape} ==", flush=True)
+            main([*rest, "--shape", shape, "--sizes", *map(str, sizes)])  # the last --shape/--sizes win
+        return
 
     naive = naive_functions()
     flat = args.shape == "alfworld"
@@ -295,7 +310,10 @@ def main(argv=None):
         t0 = time.perf_counter()
         steps = cp.StepTable(**cols)
         build = time.perf_counter() - t0
+        given = set(cols) | set(cols.get("extras", {}))
         for name in names:
+            if not set(cp.get(name).required_fields) <= given:
+                continue  # reads rollout-specific extras this batch lacks: timed in the second table
             # one untimed call first, then the memory watch on a timed call
             run_estimator(name, cp.StepTable(**cols))
             with PeakRSS() as mem:
@@ -316,7 +334,7 @@ def main(argv=None):
             print(f"{name:<10} {n:>9} {build:>8.3f} {fast:>8.3f} {n / fast:>11.3g} {mark}{slow:>9.2f} "
                   f"{slow / fast:>7.0f}x {mem.extra_mb:>8.0f} {share:>7.4f}%", flush=True)
     if flat:
-        run_extended(args.sizes, args.repeat, args.estimators)
+        run_extended(args.sizes, args.repeat, args.estimators, args.hindsight_limit)
 
 
 if __name__ == "__main__":

@@ -161,16 +161,51 @@ def make_params(cls: type, values: Mapping[str, Any] | None, owner: str):
 _LOCK_GUARD = threading.Lock()
 
 
-def check_output(owner: str, out: torch.Tensor, steps: StepTable) -> torch.Tensor:
-    """``out`` if every advantage is finite; otherwise a ``ValueError``: the inputs were finite (the StepTable
-    checks them), so their size is what the output cannot represent (e.g. rewards near float32's limit)."""
-    bad = ~torch.isfinite(out)
-    if bool(bad.any()):
-        r = steps.reward.abs().max().item() if steps.n_steps else 0.0
-        raise ValueError(f"{owner} produced {int(bad.sum())} non-finite advantage(s) from finite inputs: the "
-                         f"rewards (max |r| = {r:.3g}), extras or parameters are too large for float32 results; "
-                         f"rescale the rewards (or values) to a few orders of magnitude")
-    return out
+LARGE_INPUT = 1e30  #: inputs of at least this magnitude are named when an output cannot be represented
+
+
+def _large_inputs(steps: StepTable, params: Any) -> list[str]:
+    """The inputs of magnitude >= LARGE_INPUT: the reward column, float extras and numeric parameters."""
+    found = []
+    if steps.n_steps:
+        r = float(steps.reward.to(torch.float64).abs().max())
+        if r >= LARGE_INPUT:
+            found.append(f"reward (max |r| = {r:.3g})")
+    for name, x in sorted(getattr(steps, "_extras", {}).items()):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel():
+            fin = x.to(torch.float64)
+            big = float(torch.where(torch.isfinite(fin), fin.abs(), 0.0).max())
+            if big >= LARGE_INPUT:
+                found.append(f"extras[{name!r}] (max |x| = {big:.3g})")
+    if params is not None and dataclasses.is_dataclass(params):
+        for f in dataclasses.fields(params):
+            v = getattr(params, f.name)
+            if isinstance(v, numbers.Real) and not isinstance(v, bool) and abs(v) >= LARGE_INPUT:
+                found.append(f"parameter {f.name}={v!r}")
+    return found
+
+
+def check_output(owner: str, out: torch.Tensor, steps: StepTable, params: Any = None) -> torch.Tensor:
+    """``out`` (computed in float64 by the estimators) as float32 when every advantage is representable there;
+    otherwise a ``ValueError`` naming the first input row whose advantage is not (its float64 value, or that an
+    intermediate overflowed float64) and the inputs of magnitude >= :data:`LARGE_INPUT` that make it so (the
+    reward column, float extras, numeric parameters). The inputs were finite (the StepTable and the parameter
+    validation check them), so only their size can cause this."""
+    y = out.to(torch.float32)
+    bad = ~torch.isfinite(y)
+    if not bool(bad.any()):
+        return y
+    flat = int(bad.reshape(-1).nonzero()[0])
+    row = flat // (out[0].numel() if out.ndim > 1 and out.shape[0] else 1)
+    v = float(out.reshape(-1)[flat])
+    what = (f"is {v:.6g}, beyond float32's range (|x| <= {torch.finfo(torch.float32).max:.6g})" if math.isfinite(v)
+            else "overflowed float64 in an intermediate step")
+    culprits = _large_inputs(steps, params)
+    cause = ("; the inputs that large: " + ", ".join(culprits)) if culprits else (
+        "; no single input is >= 1e30, so their combination is too large")
+    raise ValueError(f"{owner}: the advantage of input row {row} {what} ({int(bad.sum())} output value(s) cannot be "
+                     f"represented in float32){cause}. Rescale the rewards (or the named values/parameters) to a "
+                     f"few orders of magnitude")
 
 
 def _locked(method):
@@ -184,7 +219,8 @@ def _locked(method):
 def _locked_call(method):
     def run(self, steps, *args, **kwargs):
         with self._agentcredit_lock():
-            return check_output(f"estimator {type(self).__name__}", method(self, steps, *args, **kwargs), steps)
+            return check_output(f"estimator {type(self).__name__}", method(self, steps, *args, **kwargs), steps,
+                                getattr(self, "params", None))
 
     return functools.wraps(method)(run)
 
@@ -326,7 +362,7 @@ class Estimator:
         steps.require(*self.required_fields, by=f"estimator {self.name!r}")
         with torch.no_grad():
             out = self.fn(steps, p)
-        return check_output(f"estimator {self.name!r}", steps.to_input_order(out).to(torch.float32), steps)
+        return check_output(f"estimator {self.name!r}", steps.to_input_order(out), steps, p)
 
     def reference_values(self, steps: StepTable, **params: Any) -> torch.Tensor:
         """:attr:`reference` on ``steps`` with ``params``, in the rows' input order (as :meth:`__call__` returns)."""

@@ -168,21 +168,53 @@ def test_one_stateful_instance_called_from_two_threads_counts_every_batch():
 
 # ---- large finite inputs --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name,params", [("gigpo", {"norm_std": False}), ("grpo", {"norm_std": False}),
-                                         ("mvpo", {"norm_std": False}), ("gigpo", {"step_weight": 1e308})])
+                                         ("mvpo", {"norm_std": False}), ("gigpo", {"step_weight": 1e308}),
+                                         ("mt_grpo", {"norm_std": False}), ("gtpo", {"baseline": "loo"}),
+                                         ("mix", {"parts": {"grpo": 1e308, "gtpo": 1.0}})])
 def test_results_that_overflow_float32_are_refused_not_returned_as_inf(name, params):
     steps = cp.StepTable(group=[0] * 6, traj=[0, 0, 1, 1, 2, 2], t=[0, 1] * 3, state=["a", "b", "a", "c", "a", "b"],
                          reward=[0.0, 3e38, 0.0, -3e38, 0.0, 1.0], extras={"signature": ["a", "b", "a", "c", "a", "b"]})
     try:
         out = cp.get(name).create(**params)(steps)
     except ValueError as e:
-        assert "non-finite advantage" in str(e) and "rescale" in str(e)
+        assert "cannot be represented in float32" in str(e) and "Rescale" in str(e)
+        assert ("step_weight=1e+308" if "step_weight" in params else "reward (max |r| = 3e+38)") in str(e)
     else:
         assert torch.isfinite(out).all()  # representable: returned as is
 
 
-def test_asct_with_huge_q_values_is_refused_not_nan():
+def test_asct_with_huge_q_values_standardises_in_float64_instead_of_nan():
     steps = cp.StepTable(group=[0, 0], traj=[0, 1], t=[0, 0], reward=[0.0, 0.0], extras={
         "legal_p": [[0.5, 0.5], [0.5, 0.5]], "legal_mask": [[True, True], [True, True]],
         "q": [[1e308, -1e308], [-1e308, 1e308]], "chosen": [0, 0]})
-    with pytest.raises(ValueError, match="non-finite advantage"):
-        cp.get("asct")(steps)
+    small = steps.with_extras({"q": [[1.0, -1.0], [-1.0, 1.0]]})
+    assert torch.allclose(cp.get("asct")(steps), cp.get("asct")(small), atol=1e-5)  # z-scores are scale-free
+    with pytest.raises(ValueError, match=r"input row 0 is 1e\+308, beyond float32's range.*extras\['q'\]"):
+        cp.get("asct")(steps, standardise=False)  # raw A^ = 1e308 is not a float32
+
+
+# scaling rewards by 1e38 scales these (norm_std=False) advantages by 1e38: large but representable results come back
+@pytest.mark.parametrize("name,params", [("grpo", {"norm_std": False}), ("gigpo", {"norm_std": False}),
+                                         ("mvpo", {"norm_std": False}), ("uniopsd", {"norm_std": False}),
+                                         ("treerl", {}), ("tree_grpo", {"norm_std": False}), ("gigpo", {}),
+                                         ("mvpo", {}), ("graphhca", {}), ("crbc", {})])
+def test_large_finite_rewards_give_the_scaled_result(name, params):
+    r = [0.0, 1.5, 0.0, -1.5, 0.0, 0.5]
+    if name in ("treerl", "tree_grpo"):
+        cols = dict(group=[0] * 6, traj=[1, 2, 3, 4, 5, 6], t=[0] * 6, extras={"parent": [-1, 1, 1, -1, 4, 4]})
+    else:
+        cols = dict(group=[0] * 6, traj=[0, 0, 1, 1, 2, 2], t=[0, 1] * 3, state=["a", "b", "a", "c", "a", "b"],
+                    action=["x", "y", "x", "y", "x", "y"], extras={
+                        "signature": [1, 2, 1, 3, 1, 2], "logp_old": torch.zeros(6, 2),
+                        "logp_teacher": torch.zeros(6, 2), "response_mask": torch.ones(6, 2)})
+    est = cp.get(name)
+    wanted = set(est.extra_names())
+    cols["extras"] = {k: v for k, v in cols["extras"].items() if k in wanted}
+
+    def run(rewards):
+        return est.create(**params)(cp.StepTable(**cols, reward=rewards)).double()
+
+    base, big = run(r), run([x * 1e38 for x in r])
+    assert torch.isfinite(big).all() and big.abs().max() > 1e37 or not params  # norm_std=True: scale-free
+    scale = 1e38 if params or name == "treerl" else 1.0
+    assert torch.allclose(big / scale, base, rtol=1e-5, atol=1e-6)

@@ -98,10 +98,16 @@ def _srl(z: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def mix64(z: torch.Tensor) -> torch.Tensor:
-    """splitmix64 finaliser on int64 bit patterns (wrapping arithmetic)."""
-    z = (z ^ _srl(z, 30)) * _signed(_M1)
-    z = (z ^ _srl(z, 27)) * _signed(_M2)
-    return z ^ _srl(z, 31)
+    """splitmix64 finaliser on int64 bit patterns (wrapping arithmetic); in place on one copy of ``z``."""
+    z = z.clone()
+    tmp = torch.empty_like(z)
+    for shift, mult in ((30, _signed(_M1)), (27, _signed(_M2)), (31, None)):
+        torch.bitwise_right_shift(z, shift, out=tmp)
+        tmp.bitwise_and_((1 << (64 - shift)) - 1)  # logical shift of the bit pattern
+        z.bitwise_xor_(tmp)
+        if mult is not None:
+            z.mul_(mult)
+    return z
 
 
 def content_key(values: torch.Tensor, salt: int) -> torch.Tensor:
@@ -173,17 +179,49 @@ def select_block_sources(h: torch.Tensor, b: torch.Tensor, blocks: TaskBlocks, t
     return chosen
 
 
-def exact_similarity(stu: torch.Tensor, tea: torch.Tensor) -> torch.Tensor:
-    """``H[g, c, s] = sum_d stu[g, c, d] tea[g, s, d]`` accumulated in a fixed order over ``d`` with separate
-    (correctly rounded) multiplies and adds, so each entry is bit-identical whatever the chunk shape or the
-    position of the rows (a BLAS matmul may round differently per tile, which would break exact ties)."""
-    g, c, d = stu.shape
-    h = torch.zeros(g, c, tea.shape[1], dtype=torch.float64)
-    tt = tea.transpose(1, 2).contiguous()  # [G, D, M]
-    tmp = torch.empty_like(h)
-    for j in range(d):
-        torch.mul(stu[:, :, j, None], tt[:, None, j, :], out=tmp)
-        h.add_(tmp)
+SPLIT_PIECES = 3  # fixed-point pieces per unit-vector component (3 x ~22 bits: below float64 rounding)
+
+
+def split_bits(d: int) -> int:
+    """Bits ``b`` per fixed-point piece for embedding dimension ``d``: a level of :func:`exact_similarity` sums at
+    most ``SPLIT_PIECES * d`` products of two integers ``<= 2^b``, which stays below ``2^53`` (exact in float64)."""
+    return int((53 - math.ceil(math.log2(max(SPLIT_PIECES * d, 1)))) // 2)
+
+
+def split_pieces(unit: torch.Tensor) -> list[torch.Tensor]:
+    """``unit`` (components in [-1, 1]) as ``SPLIT_PIECES`` fixed-point pieces ``x_i = X_i 2^(-i b)`` with integer
+    ``|X_i| <= 2^b`` (``b = split_bits(D)``), ``x = sum_i x_i`` up to ``2^-(SPLIT_PIECES b + 1)`` per component.
+    Every step is exact in float64 (scaling by powers of two, rounding to an integer, subtracting a coarser
+    rounding of the same number)."""
+    b = split_bits(unit.shape[-1])
+    rest, out = unit.to(torch.float64), []
+    for i in range(1, SPLIT_PIECES + 1):
+        scale = float(2 ** (i * b))
+        piece = torch.round(rest * scale) / scale
+        out.append(piece)
+        rest = rest - piece
+    return out
+
+
+def exact_similarity(stu: list[torch.Tensor], tea: list[torch.Tensor]) -> torch.Tensor:
+    """``H[g, c, s] = sum_d stu[g, c, d] tea[g, s, d]`` from the fixed-point pieces of :func:`split_pieces`
+    (``[G, C, D]`` and ``[G, M, D]`` each): for each level ``L = i + j`` (2 .. SPLIT_PIECES + 1) the products
+    ``x_i y_j`` lie on the grid ``2^(-L b)`` and their sum over ``d`` and over the pairs of the level is an integer
+    below ``2^53`` times that grid, so BLAS computes every level **exactly**, whatever its tiling or summation order;
+    the levels are then added in a fixed order. Each entry is therefore a function of the two rows only, bit-equal
+    whatever the chunk shape or the positions of the rows (a plain BLAS matmul rounds differently per tile, which
+    would break exact ties), at the cost of ``SPLIT_PIECES (SPLIT_PIECES + 1) / 2`` matmuls. The dropped levels
+    and the split's remainder bound the error by ``~2^-(SPLIT_PIECES b) sqrt(D)``, below float64 rounding."""
+    h = None
+    for level in range(2, SPLIT_PIECES + 2):
+        acc = None
+        for i in range(1, level):
+            j = level - i
+            if i > SPLIT_PIECES or j > SPLIT_PIECES:
+                continue
+            t = tea[j - 1].transpose(1, 2)
+            acc = torch.bmm(stu[i - 1], t) if acc is None else torch.baddbmm(acc, stu[i - 1], t)
+        h = acc if h is None else h.add_(acc)
     return h
 
 
@@ -221,20 +259,65 @@ def chunk_rows(blocks: TaskBlocks, chunk_elements: int | None = None, max_bytes:
     return max(1, min(m, chunk_elements // per_row, max_bytes // (per_row * BYTES_PER_ENTRY) - 1))
 
 
+BUCKETS_PER_OCTAVE = 4  # groups whose sizes agree within 2^(1/4) share one padded block width
+
+
+def size_buckets(blocks: TaskBlocks) -> list[tuple[torch.Tensor, int]]:
+    """The task groups bucketed by size: ``(group indices, block width)`` per bucket, widest first. Groups of
+    similar size are padded to their bucket's widest member instead of the batch's largest group, so the
+    ``[G, C, M]`` work is ``~sum_g M_g^2`` rather than ``G max_g M_g^2``."""
+    sizes = blocks.present.sum(1)
+    level = torch.ceil(torch.log2(sizes.clamp(min=1).to(torch.float64)) * BUCKETS_PER_OCTAVE).to(torch.int64)
+    out = []
+    for lv in torch.unique(level).flip(0).tolist():
+        idx = (level == lv).nonzero().squeeze(1)
+        out.append((idx, int(sizes[idx].max())))
+    return out
+
+
 def correspondence_chunks(blocks: TaskBlocks, teacher: torch.Tensor, t_ok: torch.Tensor, student: torch.Tensor,
                           s_ok: torch.Tensor, key: torch.Tensor, tau: float, k: int, t_prof: float, distance: str,
                           n_rows: int, chunk: int | None = None) -> Correspondence:
     """Source selection (M1), profiles and adjacent distances (M2) over chunks of target positions.
 
-    Each chunk builds ``H``/``B`` for ``C`` target positions (plus the previous position, for the adjacent
-    distance) against every source of the block: peak memory ``O(G C M)``, never ``[G, M, M]``. The results do not
-    depend on the chunk size.
+    The groups are processed in :func:`size_buckets` (each bucket a narrower block); in each, every chunk builds
+    ``H``/``B`` for ``C`` target positions (plus the previous position, for the adjacent distance) against every
+    source of the block: peak memory ``O(G C M)``, never ``[G, M, M]``. The results depend neither on the chunk
+    size nor on the bucketing (every group's computation is its own; the similarities are exact).
     """
-    from ._alignopsd_m2 import profiles, profile_distance  # m2 imports TaskBlocks from here
+    g, m = blocks.rows.shape
+    chosen = torch.full((g, m, k), -1, dtype=torch.int64)
+    sim = torch.zeros(g, m, k, dtype=torch.float64)
+    prof_valid = torch.zeros(g, m, dtype=torch.bool)
+    dist = torch.zeros(g, m, dtype=torch.float64)
+    dvalid = torch.zeros(g, m, dtype=torch.bool)
+    if g == 0 or m == 0:
+        return Correspondence(chosen, sim, prof_valid, dist, dvalid)
+    chunk_rows(blocks)  # the memory guard names the largest group before any bucket is allocated
+    for idx, width in size_buckets(blocks):
+        rollout = blocks.rollout[idx, :width]
+        sub = TaskBlocks(rows=blocks.rows[idx, :width], present=blocks.present[idx, :width], pos=blocks.pos,
+                         rollout=rollout, n_rollouts=int(rollout.max()) + 1)
+        c = _correspondence_block(sub, teacher, t_ok, student, s_ok, key, tau, k, t_prof, distance, n_rows, chunk)
+        chosen[idx, :width], sim[idx, :width], prof_valid[idx, :width] = c.chosen, c.sim, c.prof_valid
+        dist[idx, :width], dvalid[idx, :width] = c.dist, c.dist_valid
+    return Correspondence(chosen, sim, prof_valid, dist, dvalid)
+
+
+def _correspondence_block(blocks: TaskBlocks, teacher: torch.Tensor, t_ok: torch.Tensor, student: torch.Tensor,
+                          s_ok: torch.Tensor, key: torch.Tensor, tau: float, k: int, t_prof: float, distance: str,
+                          n_rows: int, chunk: int | None = None) -> Correspondence:
+    """:func:`correspondence_chunks` on one block (one size bucket)."""
+    from ._alignopsd_m2 import (  # m2 imports TaskBlocks from here
+        profile_distance,
+        profiles,
+        safe_log,
+    )
 
     g, m = blocks.rows.shape
     chunk = chunk or chunk_rows(blocks)
-    tea, stu = blocks.gather(teacher), blocks.gather(student)
+    tea = split_pieces(blocks.gather(teacher))
+    stu = split_pieces(blocks.gather(student))
     tok, sok = blocks.gather(t_ok, False), blocks.gather(s_ok, False)
     key_b = blocks.gather(key, 0)
     chosen = torch.full((g, m, k), -1, dtype=torch.int64)
@@ -245,7 +328,7 @@ def correspondence_chunks(blocks: TaskBlocks, teacher: torch.Tensor, t_ok: torch
     for c0 in range(0, m, chunk):
         c1 = min(m, c0 + chunk)
         lo = max(c0 - 1, 0)  # one position of overlap: the predecessor of the chunk's first target
-        h = exact_similarity(stu[:, lo:c1], tea)  # [G, C', M]
+        h = exact_similarity([x[:, lo:c1] for x in stu], tea)  # [G, C', M]
         b = (blocks.rollout[:, lo:c1, None] != blocks.rollout[:, None, :]) & sok[:, lo:c1, None] & tok[:, None, :]
         off = c0 - lo
         ch = select_block_sources(h[:, off:], b[:, off:], blocks, tau, k, key_b)
@@ -256,7 +339,10 @@ def correspondence_chunks(blocks: TaskBlocks, teacher: torch.Tensor, t_ok: torch
         if c1 - lo > 1:
             same = blocks.present[:, lo + 1:c1] & (blocks.rollout[:, lo + 1:c1] == blocks.rollout[:, lo:c1 - 1])
             ok = same & pv[:, 1:] & pv[:, :-1] & (b[:, 1:] == b[:, :-1]).all(-1)
-            dist[:, lo + 1:c1] = torch.where(ok, profile_distance(prof[:, :-1], prof[:, 1:], distance, n_rows), 0.0)
+            logs = safe_log(prof) if distance == "jsd" else None
+            d = (profile_distance(prof[:, :-1], prof[:, 1:], distance, n_rows, logs[:, :-1], logs[:, 1:]) if logs is
+                 not None else profile_distance(prof[:, :-1], prof[:, 1:], distance, n_rows))
+            dist[:, lo + 1:c1] = torch.where(ok, d, 0.0)
             dvalid[:, lo + 1:c1] = ok
     return Correspondence(chosen, sim, prof_valid, dist, dvalid)
 

@@ -37,20 +37,25 @@ def profiles(h: torch.Tensor, b: torch.Tensor, tau: float, t_prof: float) -> tup
     return p, has & (best >= tau)
 
 
-def _xlogy_ratio(p: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    return torch.where(p > 0, p * (torch.log(torch.where(p > 0, p, 1.0)) - torch.log(torch.where(p > 0, m, 1.0))),
-                       0.0).sum(-1)
-
-
 def _entropy(p: torch.Tensor) -> torch.Tensor:
     return -torch.where(p > 0, p * torch.log(torch.where(p > 0, p, 1.0)), 0.0).sum(-1)
 
 
-def profile_distance(p: torch.Tensor, q: torch.Tensor, mode: str, n_rows: int) -> torch.Tensor:
-    """Distance between profile rows ``p`` and ``q`` (jsd / entropy / cosine), clipped to [0, 1]."""
+def safe_log(p: torch.Tensor) -> torch.Tensor:
+    """``log p`` where ``p > 0``, 0 elsewhere (so ``p * (log p - x)`` is 0 at ``p = 0`` for any finite ``x``)."""
+    return torch.log(torch.where(p > 0, p, 1.0))
+
+
+def profile_distance(p: torch.Tensor, q: torch.Tensor, mode: str, n_rows: int, log_p: torch.Tensor | None = None,
+                     log_q: torch.Tensor | None = None) -> torch.Tensor:
+    """Distance between profile rows ``p`` and ``q`` (jsd / entropy / cosine), clipped to [0, 1]. ``log_p`` /
+    ``log_q``: :func:`safe_log` of them when the caller has it (each profile row enters two adjacent pairs)."""
     if mode == "jsd":  # normalised Jensen-Shannon divergence, natural logs / ln 2
         m = 0.5 * (p + q)
-        d = 0.5 * (_xlogy_ratio(p, m) + _xlogy_ratio(q, m)) / math.log(2.0)
+        log_m = safe_log(m)  # m > 0 wherever p > 0 or q > 0; the terms with p = 0 (q = 0) are 0 * finite = 0
+        log_p = safe_log(p) if log_p is None else log_p
+        log_q = safe_log(q) if log_q is None else log_q
+        d = 0.5 * ((p * (log_p - log_m)).sum(-1) + (q * (log_q - log_m)).sum(-1)) / math.log(2.0)
     elif mode == "entropy":  # |H(p) - H(q)| / log(support); the authors' support is every turn of the batch
         norm = math.log(n_rows) if n_rows > 1 else 1.0
         d = (_entropy(p) - _entropy(q)).abs() / norm

@@ -53,9 +53,11 @@ Decisions where the spec is open or reconstructed:
   a third rollout's credit). Only rows of identical content fall back to their position, and they carry the same
   similarity. ``allocation="random"`` ranks cuts by a hash of ``seed``, the rollout's content key (the wrapping
   sum of its rows' keys) and the cut position, so relabelling or reordering rollouts keeps every rollout's spans.
-  H is computed in float64 (the authors: float32) with a fixed-order sum over the embedding dimension, so equal
-  embeddings give bit-equal similarities whatever their positions; a similarity within float32 rounding of
-  ``tau_sim`` may be kept here and dropped there.
+  H is computed in float64 (the authors: float32) exactly from a fixed-point split of the unit embeddings
+  (``_alignopsd_m1.exact_similarity``: three ~22-bit pieces per component, each level of partial products summed
+  exactly by BLAS), so each entry is a function of its two rows only and equal embeddings give bit-equal
+  similarities whatever their positions; a similarity within float32 rounding of ``tau_sim`` may be kept here and
+  dropped there.
 * [R] A group with one rollout gets ``A_traj = 0`` (the authors' code raises; GRPO needs two siblings and the
   spec asks for 0, not verl's ``R / (1 + eps)``); a group whose returns are all equal gets 0 as well (std 0).
 * [R] ``valid`` residual: the episode outcome is the table's return ``R = sum_t r_t`` broadcast to the turns, as
@@ -72,9 +74,12 @@ Decisions where the spec is open or reconstructed:
   band by more than 1e-9). Not implemented: the optional action-embedding filter (action cosine >= 0.80) and the
   protocol term of B; the SDAR-gated M1-only auxiliary loss belongs to the trainer, not to this estimator.
 * Memory: H, B and the profiles are computed over chunks of target rows, ``[G, C, M]`` at a time (M = most turn
-  rows in one task group, ``C`` from ``_alignopsd_m1.DEFAULT_CHUNK_ELEMENTS``), never the full ``[G, M, M]``; the
-  results do not depend on ``C``. A ValueError names the group size before a chunk that would exceed
-  ``_alignopsd_m1.MAX_BLOCK_BYTES`` is allocated (use smaller task groups). Time is still O(G M^2 D).
+  rows in one task group of the size bucket, groups bucketed by size within a factor 2^(1/4); ``C`` from
+  ``_alignopsd_m1.DEFAULT_CHUNK_ELEMENTS``), never the full ``[G, M, M]``; the results depend neither on ``C`` nor
+  on the bucketing. A ValueError names the group size before a chunk that would exceed
+  ``_alignopsd_m1.MAX_BLOCK_BYTES`` is allocated (use smaller task groups). Time is O(sum_g M_g^2 D): every turn
+  is compared with every turn of its task group (the profiles P[t, :] are dense over the group, so a top-K index
+  cannot replace the full comparison without changing the distances).
 """
 
 import math

@@ -273,12 +273,30 @@ def asct(steps: StepTable, p: ASCTParams) -> torch.Tensor:
     visits = steps.extra("visits", None)
     if visits is not None:
         _check_visits(visits[steps.inverse], mask)
-    a = actor_centred_credit(legal_p, mask, q, chosen, p.p_tolerance)
+    c = q_scale(q, mask)  # 1 unless |Q^| is huge: then the credit is computed on Q^ / c, exactly rescaled
+    a = actor_centred_credit(legal_p, mask, q if c == 1.0 else torch.as_tensor(q).to(torch.float64) / c, chosen,
+                             p.p_tolerance)
     if p.standardise:
         multi = mask.sum(dim=1) >= 2
         in_sample = multi if p.standardise_over == "multi_action" else torch.ones_like(multi)
-        a = standardise_decisions(a, in_sample, eps=p.eps, unbiased=p.unbiased)
-    return a[steps.order]
+        return standardise_decisions(a, in_sample, eps=p.eps / c, unbiased=p.unbiased)[steps.order]  # scale-free
+    return (a * c)[steps.order]
+
+
+SAFE_Q = 2.0 ** 500  # below this, (Q^ - V^)^2 and its sums stay finite in float64
+
+
+def q_scale(q, mask: torch.Tensor) -> float:
+    """A power of two ``c`` with ``max |Q^| / c < 4`` when the legal ``|Q^|`` exceed :data:`SAFE_Q` (else 1), so
+    that ``Q^ - V^`` and the standardisation's squares cannot overflow float64 (q = +-1e308 would give inf - inf).
+    Dividing by a power of two is exact; the standardised credit does not depend on ``c`` (``eps`` scales with
+    it), the raw one is multiplied back."""
+    qt = torch.as_tensor(q)
+    if not qt.is_floating_point() or qt.shape != mask.shape or not qt.numel():
+        return 1.0  # the validation in actor_centred_credit reports it
+    x = torch.where(mask & torch.isfinite(qt), qt.to(torch.float64).abs(), 0.0)
+    big = float(x.max())
+    return 1.0 if big <= SAFE_Q else 2.0 ** (math.frexp(big)[1] - 2)  # |Q^ / c| < 4; 2^1022 at most
 
 
 ESTIMATOR = Estimator(

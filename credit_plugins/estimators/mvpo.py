@@ -503,7 +503,7 @@ class MVPO(StatefulEstimator):
             "mvpo/route_anchor_frac": float(terms.route_anchor.to(torch.float64).mean()),
             "mvpo/route_potential_frac": float(terms.route_potential.to(torch.float64).mean()),
         }
-        return steps.to_input_order(terms.advantage).to(torch.float32)
+        return steps.to_input_order(terms.advantage)  # float64; the locked wrapper checks it and casts to float32
 
     def state_dict(self) -> dict[str, Any]:
         s = self._state

@@ -194,16 +194,16 @@ def token_inputs(steps: StepTable) -> tuple[torch.Tensor, torch.Tensor]:
             raise ValueError(f"extras['response_mask'] has {int(bad.sum())} value(s) other than 0/1 (e.g. "
                              f"{float(mask[bad][0])}); give 0/1 or bool, 1 on trainable response tokens")
         mask = mask == 1
-    out = []
+    delta = torch.where(mask, logp_teacher.to(torch.float64) - logp_old.to(torch.float64),
+                        torch.zeros((), dtype=torch.float64))
+    if bool(torch.isfinite(delta).all()):  # the common case, checked in one pass: both inputs finite on the mask
+        return delta, mask
     for name, x in (("logp_old", logp_old), ("logp_teacher", logp_teacher)):
-        x = x.to(torch.float64)
         bad = mask & ~torch.isfinite(x)
         if bool(bad.any()):
             raise ValueError(f"extras[{name!r}] has {int(bad.sum())} NaN/inf value(s) on mask tokens; recompute the "
                              f"log-probs in float32 (or mask those tokens out in response_mask)")
-        out.append(x)
-    delta = torch.where(mask, out[1] - out[0], torch.zeros((), dtype=torch.float64))
-    return delta, mask
+    return delta, mask  # finite inputs whose difference overflows float64: check_output names them
 
 
 # ---- the per-batch pieces ------------------------------------------------------------------------------------
@@ -300,6 +300,7 @@ class UniOPSDTerms:
     lam: float
     m: int
     corr: float | None           # rho_m, None when not measurable
+    w_raw: torch.Tensor | None = None  # [S, L] unclipped exp(sign(F) delta) (the saturation diagnostic)
 
 
 def initial_state(p: UniOPSDParams | None = None) -> dict[str, Any]:
@@ -347,7 +348,8 @@ def uniopsd_terms(steps: StepTable, p: UniOPSDParams, state: dict[str, Any]) -> 
     # bounded token modulation
     m = int(state["step"]) + 1
     lam = lambda_at(m, p.lam0, p.warmdown_steps)
-    w = torch.exp(torch.sign(fused)[:, None] * delta).clamp(1.0 - p.clip_eps, 1.0 + p.clip_eps)
+    w_raw = torch.exp(torch.sign(fused)[:, None] * delta)
+    w = w_raw.clamp(1.0 - p.clip_eps, 1.0 + p.clip_eps)
     advantage = torch.where(mask, a_episode[:, None] + fused[:, None] * ((1.0 - lam) + lam * w), 0.0)
 
     # the correlation EMA for the next batch
@@ -361,21 +363,25 @@ def uniopsd_terms(steps: StepTable, p: UniOPSDParams, state: dict[str, Any]) -> 
         new_state["n_prev"] = int(both.sum())
     terms = UniOPSDTerms(advantage=advantage, a_episode=a_episode, a_step=a_step, a_opsd=a_opsd, fused=fused, c=c,
                          taught=taught, has_step=has_step, both=both, z_s=z_s, z_o=z_o, delta=delta, mask=mask,
-                         scale=scale, rho_hat=rho_hat, c_star=cstar, lam=lam, m=m, corr=corr)
+                         scale=scale, rho_hat=rho_hat, c_star=cstar, lam=lam, m=m, corr=corr, w_raw=w_raw)
     return terms, new_state
 
 
 def batch_stats(terms: UniOPSDTerms, p: UniOPSDParams, state: dict[str, Any]) -> dict[str, float]:
     """The §7.3 diagnostics of one batch (see the module docstring)."""
-    def frac(x: torch.Tensor, over: torch.Tensor | None = None) -> float:
-        x = x if over is None else x[over]
+    def frac(x: torch.Tensor) -> float:
         return float(x.to(torch.float64).mean()) if x.numel() else 0.0
 
     t = terms
     mask = t.mask
     both = t.both
-    w_raw = torch.exp(torch.sign(t.fused)[:, None] * t.delta)
-    saturated = (w_raw <= 1.0 - p.clip_eps) | (w_raw >= 1.0 + p.clip_eps)
+    n_mask = int(mask.sum())
+
+    def per_token(total) -> float:  # mean over the mask tokens of a quantity summed over them
+        return float(total) / n_mask if n_mask else 0.0
+
+    w_raw = t.w_raw if t.w_raw is not None else torch.exp(torch.sign(t.fused)[:, None] * t.delta)
+    saturated = (w_raw <= 1.0 - p.clip_eps).logical_or_(w_raw >= 1.0 + p.clip_eps).logical_and_(mask)
     stats = {
         "corr": t.corr if t.corr is not None else 0.0,
         "corr_measured": float(t.corr is not None),
@@ -384,12 +390,12 @@ def batch_stats(terms: UniOPSDTerms, p: UniOPSDParams, state: dict[str, Any]) ->
         "taught_frac": frac(t.taught),
         "c_mean": frac(t.c),
         "c_frac_mid": frac((t.c > 0.1) & (t.c < 0.9)),
-        "clip_saturation_frac": frac(saturated, mask),
-        "dead_token_frac": frac(t.advantage == 0, mask),
+        "clip_saturation_frac": per_token(saturated.sum()),
+        "dead_token_frac": per_token((t.advantage == 0).logical_and_(mask).sum()),
         "opsd_rescue_frac": frac((t.a_step == 0) & (t.fused != 0)),
         "opsd_scale": t.scale,
-        "teacher_kl": frac(-t.delta, mask),
-        "gap_abs_mean": frac(t.delta.abs(), mask),
+        "teacher_kl": per_token(-t.delta.sum()),  # delta is 0 off the mask
+        "gap_abs_mean": per_token(t.delta.abs().sum()),
         "lambda": t.lam,
         "rho_hat": t.rho_hat,
         "c_star": t.c_star,
@@ -426,7 +432,7 @@ class UniOPSD(StatefulEstimator):
         self._state = new_state
         self.last_terms = terms
         self.stats = batch_stats(terms, self.params, new_state)
-        return steps.to_input_order(terms.advantage).to(torch.float32)
+        return steps.to_input_order(terms.advantage)  # float64; the locked wrapper checks it and casts to float32
 
     def state_dict(self) -> dict[str, Any]:
         s = self._state
