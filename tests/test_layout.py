@@ -66,7 +66,8 @@ def test_source_tree_fallback_matches_the_entry_points_and_registers_every_kind(
 def test_each_estimator_declares_where_its_extras_come_from():
     want = {"asct": {"counterfactual"}, "sipo": {"tree"}, "at2po": {"tree"}, "treerl": {"tree"},
             "tree_grpo": {"tree"}, "uniopsd": {"hindsight"}, "alignopsd": {"hindsight"}, "mvpo": {"env"},
-            "grpo": set(), "gigpo": set(), "graphhca": set(), "crbc": set()}
+            "grpo": set(), "gigpo": set(), "graphhca": set(), "crbc": set(),
+            "tjpo": {"env"}, "mt_grpo": set(), "gtpo": set(), "mix": set()}
     assert {n: set(cp.get(n).sources()) for n in cp.available()} == want
     assert cp.get("alignopsd").reads("valid") and not cp.get("alignopsd").sources(required=False) - {"hindsight",
                                                                                                       "turns"}

@@ -65,7 +65,13 @@ def pure_steps(rows=ROWS):
     return cp.StepTable(group=[r[0] for r in rows], traj=[r[1] for r in rows], t=[r[2] for r in rows],
                         state=[r[3] for r in rows], action=[r[4] for r in rows],
                         reward=[scores[r[1]] if r[2] == last[r[1]] else 0.0 for r in rows],
-                        extras={"signature": [r[3][:2] for r in rows]})
+                        extras={"signature": [r[3][:2] for r in rows], "descriptor": [descriptor(r) for r in rows]})
+
+
+def descriptor(row):
+    """A small behaviour vector per step (what TJPO's env adapters write as the ``descriptor`` extra field)."""
+    _, _, t, anchor, action, _ = row
+    return [float(len(action)), float(t), float(anchor == "s0")]
 
 
 def pure(name, rows=ROWS, **params):
@@ -121,6 +127,7 @@ def test_every_estimator_through_verls_compute_advantage_equals_its_pure_functio
     adapter.INSTANCES.clear()  # stateful estimators: compare first batches
     data = legacy_batch()
     data.non_tensor_batch["signature"] = np.array([r[3][:2] for r in ROWS], dtype=object)
+    data.non_tensor_batch["descriptor"] = np.array([descriptor(r) for r in ROWS] + [None], dtype=object)[:-1]
     out = compute_advantage(data, adv_estimator=name, config=algo_config(name))
     assert torch.allclose(out.batch["advantages"][:, 0], pure(name), atol=1e-6)
     adapter.INSTANCES.clear()
