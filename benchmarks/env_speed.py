@@ -10,7 +10,11 @@ the same actions (minigrid/gym-sokoban ``env.step(int)``, TextWorld's ``env.step
 ALFWorld's textworld env with alfworld's wrappers). When an episode ends both reset (same seed); reset time is
 reported separately and not counted in steps/s. Each side runs ``--repeats`` times, alternating, and the fastest run
 is kept. Overhead = (t_adapter - t_raw) / t_raw. TextWorld plays a small generated game (cached in a temporary folder),
-ALFWorld the offline fixture of :mod:`env_adapters.alfworld_fixture`.
+ALFWorld the offline fixture of :mod:`env_adapters.alfworld_fixture`. Raw sides of the newer envs: ScienceWorld's
+``ScienceWorldEnv.step`` (find-living-thing, easy; the plan keeps to unambiguous commands, whose referents do not
+change between resets), TextWorld-Express's ``TextWorldExpressEnv.step`` (CookingWorld), bm25s ``tokenize`` +
+``retrieve`` for a search and EM + F1 for an answer (search_qa), FrozenLake's ``step`` + ``render()`` in ``"ansi"``
+mode (gymnasium_text). ScienceWorld and TextWorld-Express need Java.
 """
 
 from __future__ import annotations
@@ -28,9 +32,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from env_adapters import format_action, parse_action  # noqa: E402
 
-ENVS = ("minigrid", "sokoban", "textworld", "alfworld")
+ENVS = ("minigrid", "sokoban", "textworld", "alfworld", "scienceworld", "textworld_express", "search_qa",
+        "gymnasium_text")
 _PACKAGES = {"minigrid": ("minigrid",), "sokoban": ("gym_sokoban",), "textworld": ("textworld",),
-             "alfworld": ("alfworld", "textworld")}
+             "alfworld": ("alfworld", "textworld"), "scienceworld": ("scienceworld",),
+             "textworld_express": ("textworld_express",), "search_qa": ("bm25s",), "gymnasium_text": ("gymnasium",)}
+#: steps per env when --steps is not given
+_DEFAULT_STEPS = {"minigrid": 3000, "sokoban": 3000, "textworld": 300, "alfworld": 300, "scienceworld": 60,
+                  "textworld_express": 3000, "search_qa": 3000, "gymnasium_text": 3000}
 TW_OPTIONS = dict(world_size=3, nb_objects=5, quest_length=3)
 
 
@@ -77,6 +86,57 @@ def build(name: str, tmp: str):
         path = env.game_files[seed % env.num_games]
         raw = env._textworld.start(path, env._request, wrappers=[env._demangler(shuffle=False), env._infos_wrapper])
         return env, seed, lambda: (raw.reset, raw.step)
+    if name == "scienceworld":  # raw: ScienceWorldEnv.step (its own valid-action list, look, inventory per step)
+        from scienceworld import ScienceWorldEnv
+        from env_adapters.scienceworld import ScienceWorldAdapter
+        class Stable(ScienceWorldAdapter):
+            """ScienceWorld names look-alike objects by referents it draws anew on each reset ("paint in cup",
+            "blue paint in wood cup containing blue paint"), so a replayed plan keeps to unambiguous commands."""
+
+            def legal_actions(self):
+                return [a for a in super().legal_actions() if "containing" not in a
+                        and a.split()[0] in ("teleport", "open", "close", "look", "inventory", "wait1", "go")]
+        env, seed = Stable(task="find-living-thing", simplifications="easy"), 0
+        env.reset(seed)
+        raw = ScienceWorldEnv("", envStepLimit=10**9)
+        raw.load("find-living-thing", env.snapshot()["variation"], "easy")
+        return env, seed, lambda: (raw.reset, raw.step)
+    if name == "textworld_express":  # raw: TextWorldExpressEnv.step on the same game
+        from textworld_express import TextWorldExpressEnv
+        from env_adapters.textworld_express import TextWorldExpressAdapter
+        env, seed = TextWorldExpressAdapter(game="cookingworld"), 3
+        env.reset(seed)
+        raw = TextWorldExpressEnv(envStepLimit=10**9)
+        game_seed = env.snapshot()["game_seed"]
+
+        def twx_reset():
+            raw.reset(seed=game_seed, gameFold="train", gameName="cookingworld", gameParams=env.game_params)
+        return env, seed, lambda: (twx_reset, raw.step)
+    if name == "search_qa":  # raw: bm25s tokenize + retrieve for a search, EM/F1 for an answer
+        import bm25s
+        from env_adapters.search_qa import SearchQAAdapter, exact_match, f1_score
+        env, seed = SearchQAAdapter(k=3), 0
+        answers = env.questions[seed]["answers"]
+
+        def qa_step(a):
+            verb, _, arg = a.partition(": ")
+            if verb == "search":
+                return env._retriever.retrieve(bm25s.tokenize([arg], stopwords="en", show_progress=False), k=3,
+                                               show_progress=False, n_threads=0)
+            return exact_match(arg, answers), f1_score(arg, answers)
+        return env, seed, lambda: ((lambda: None), qa_step)
+    if name == "gymnasium_text":  # raw: FrozenLake with render_mode="ansi", step + render (its text)
+        import gymnasium
+        from env_adapters.gymnasium_text import PRESETS, GymnasiumTextAdapter
+        env, seed = GymnasiumTextAdapter(env_kwargs={"is_slippery": False}), 0
+        raw = gymnasium.make("FrozenLake-v1", is_slippery=False, render_mode="ansi")
+        index = {a: i for i, a in enumerate(PRESETS["FrozenLake-v1"]["actions"])}
+
+        def gym_step(a):
+            out = raw.step(index[a])
+            raw.render()
+            return out
+        return env, seed, lambda: ((lambda: raw.reset(seed=seed)), gym_step)
     raise ValueError(name)
 
 
@@ -144,7 +204,7 @@ def run_raw(raw_factory, actions):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=None,
-                    help="steps per env (default: 3000 for minigrid/sokoban, 300 for textworld/alfworld)")
+                    help="steps per env (default: 3000; 300 for textworld/alfworld, 60 for scienceworld)")
     ap.add_argument("--envs", nargs="+", default=list(ENVS), choices=ENVS)
     ap.add_argument("--repeats", type=int, default=3, help="runs per side, fastest kept")
     ap.add_argument("--seed", type=int, default=0)
@@ -157,7 +217,7 @@ def main(argv=None):
                 print(f"{name}: skipped (package missing)")
                 continue
             env, seed, raw_factory = build(name, tmp)
-            n = args.steps or (3000 if name in ("minigrid", "sokoban") else 300)
+            n = args.steps or _DEFAULT_STEPS[name]
             actions = plan(env, seed, n, random.Random(args.seed))
             responses = [None if a is None else format_action(a, think="I should do this.") for a in actions]
             n_steps = sum(a is not None for a in actions)

@@ -84,7 +84,7 @@ def _expected_estimator(name: str) -> str:
 
 
 def _env_of(name: str) -> str:
-    return name.split("_", 1)[0]
+    return name.rsplit("_", 1)[0]  # the env name may hold "_" (textworld_express_gigpo)
 
 
 def _agent_loop_file(cfg) -> Path:
