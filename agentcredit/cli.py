@@ -109,6 +109,46 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_ross(args: argparse.Namespace) -> int:
+    from .recipe import RecipeError, load_recipe
+
+    bad = [o for o in args.overrides if o.startswith("-") or "=" not in o]
+    if bad:
+        return _train_error(f"unrecognised argument(s) {bad}; overrides are key=value")
+    try:
+        recipe = load_recipe(args.recipe, list(args.overrides))
+        from . import ross
+
+        ross.run_ross(recipe, args.archive, args.out, model_path=args.model, steps=args.steps,
+                      learning_rate=args.learning_rate, batch_size=args.batch_size, context=args.context,
+                      selector=args.selector, eval=not args.no_eval, eval_before=not args.no_before)
+    except (RecipeError, ImportError, FileNotFoundError) as e:
+        return _train_error(str(e))
+    return 0
+
+
+def _cmd_verl(args: argparse.Namespace) -> int:
+    if not os.path.isfile(args.recipe):
+        return _train_error(f"recipe {args.recipe!r} does not exist")
+    if not args.cpu_smoke:
+        print(shlex.join(verl_command(args.recipe, list(args.overrides))))
+        return 0
+    import tempfile
+
+    from .verl import smoke
+
+    workdir = args.workdir or tempfile.mkdtemp(prefix="agentcredit-verl-smoke-")
+    run = smoke.prepare(args.recipe, workdir, steps=args.steps, overrides=list(args.overrides))
+    print(f"# CPU smoke run of {args.recipe} ({args.steps} steps, tiny local model); log: {workdir}/run.log",
+          file=sys.stderr)
+    rc, _, steps = smoke.run(run, timeout=args.timeout, echo=args.verbose)
+    print(smoke.format_metrics(steps))
+    if rc != 0 or len(steps) < args.steps:
+        print(f"agentcredit verl: the run failed (exit {rc}); see {workdir}/run.log", file=sys.stderr)
+        return rc or 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentcredit", description="Credit-assignment and distillation plugins "
                                      "for verl and TRL agent RL.")
@@ -141,6 +181,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--learning-rate", type=float, default=5e-5)
     p.add_argument("--no-eval", action="store_true", help="skip the teacher's held-out evaluation")
     p.set_defaults(func=_cmd_sft)
+    p = sub.add_parser("ross", help="relearn from a run's archived rollouts: select continuations, SFT on them "
+                       "(agentcredit.ross)")
+    p.add_argument("recipe", help="the recipe the archive was trained with (model, env, prompt format, eval)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides of the recipe")
+    p.add_argument("--archive", required=True, help="the run's rollout archive (agentcredit.rollout_options.archive)")
+    p.add_argument("--out", required=True, help="folder for the fine-tuned model and ross_summary.json")
+    p.add_argument("--model", default=None, help="model to fine-tune (default: the recipe's)")
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--learning-rate", type=float, default=1e-5)
+    p.add_argument("--context", choices=("trajectory", "turn"), default="trajectory",
+                   help="trajectory: one sequence per trajectory (full original context); turn: one per turn")
+    p.add_argument("--selector", default="loop_erased",
+                   help="loop_erased (default), all, or pkg.module:callable (e.g. an LLM judge)")
+    p.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations")
+    p.add_argument("--no-before", action="store_true", help="skip only the evaluation before fine-tuning")
+    p.set_defaults(func=_cmd_ross)
+    p = sub.add_parser("verl", help="a verl recipe: print its main_ppo command, or --cpu-smoke: run 2 real steps on "
+                       "the CPU and print the agentcredit step metrics")
+    p.add_argument("recipe", help="verl recipe YAML (recipes/verl/*.yaml)")
+    p.add_argument("overrides", nargs="*", help="extra Hydra overrides")
+    p.add_argument("--cpu-smoke", action="store_true", help="run it on the CPU (agentcredit.verl.cpu, hfcpu rollout, "
+                   "tiny local model)")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--workdir", default=None, help="folder for data, hydra output, checkpoints, run.log")
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--verbose", action="store_true", help="echo verl's output")
+    p.set_defaults(func=_cmd_verl)
     return parser
 
 
@@ -148,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
-        if getattr(args, "command", None) not in ("train", "sft"):
+        if getattr(args, "command", None) not in ("train", "sft", "ross", "verl"):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = list(args.overrides) + extra  # key=value after an option; _cmd_train checks them
     return args.func(args)

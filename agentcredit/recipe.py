@@ -47,7 +47,8 @@ __all__ = ["Recipe", "AgentCreditConfig", "EvalConfig", "RecipeError", "load_rec
 
 BRIDGES = ("rollout_func", "environment_factory")
 #: ``agentcredit.rollout``: what the rollout_func bridge plays (agentcredit.trl.rollouts / agentcredit.trl.search_rollouts)
-ROLLOUTS = {"turns": "TurnRollout", "counterfactual": "CounterfactualRollout", "tree": "TreeRollout"}
+ROLLOUTS = {"turns": "TurnRollout", "counterfactual": "CounterfactualRollout", "tree": "TreeRollout",
+            "memory": "MemoryTurnRollout"}
 PROMPT_STYLES = ("compact", "verl-agent")
 _LORA_KEYS = {"r": "r", "alpha": "lora_alpha", "dropout": "lora_dropout", "target_modules": "target_modules",
               "bias": "bias", "modules_to_save": "modules_to_save", "use_rslora": "use_rslora", "use_dora": "use_dora"}
@@ -462,7 +463,8 @@ def rollout_class(name: str) -> type:
     """The rollout_func class of ``agentcredit.rollout``."""
     import importlib
 
-    module = "agentcredit.trl.rollouts" if name == "turns" else "agentcredit.trl.search_rollouts"
+    module = {"turns": "agentcredit.trl.rollouts", "memory": "agentcredit.trl.ccm"}.get(
+        name, "agentcredit.trl.search_rollouts")
     return getattr(importlib.import_module(module), ROLLOUTS[name])
 
 
@@ -470,8 +472,7 @@ def _rollout_defaults(name: str) -> dict[str, Any]:
     import inspect
 
     cls = rollout_class(name)
-    own = {} if name == "turns" else {n: p.default for n, p in inspect.signature(cls.__init__).parameters.items()
-                                      if p.kind == p.KEYWORD_ONLY}
+    own = {n: p.default for n, p in inspect.signature(cls.__init__).parameters.items() if p.kind == p.KEYWORD_ONLY}
     return own
 
 
@@ -479,7 +480,8 @@ def _check_rollout(ac: AgentCreditConfig, estimator) -> None:
     if ac.rollout not in ROLLOUTS:
         raise RecipeError(f"agentcredit.rollout={ac.rollout!r} is not a rollout{_suggest(ac.rollout, ROLLOUTS)}; "
                           f"valid: {', '.join(ROLLOUTS)} (turns: one row per turn; counterfactual: + ASCT's "
-                          f"decision table; tree: SIPO/AT²PO/TreeRL search trees)")
+                          f"decision table; tree: SIPO/AT²PO/TreeRL search trees; memory: CCM's memory context "
+                          f"with privileged full-history distillation)")
     if ac.rollout != "turns" and ac.bridge != "rollout_func":
         raise RecipeError(f"agentcredit.rollout={ac.rollout!r} needs agentcredit.bridge: rollout_func")
     valid = _rollout_defaults(ac.rollout)

@@ -197,10 +197,14 @@ def run(recipe: Recipe, max_steps: int | None = None, eval: bool = True) -> RunR
     if ac.bridge == "rollout_func":
         from .recipe import rollout_class
 
+        from credit_plugins.estimators.mix import reads_extra
+
+        # TJPO (or a mix with a tjpo part) reads the env's per-step descriptor: the rollout attaches it
+        wants = {"descriptors": True} if reads_extra(ac.credit, ac.credit_params, "descriptor") else {}
         rollout = rollout_class(ac.rollout)(env=ac.env, env_options=dict(ac.env_options), max_turns=ac.max_turns,
                                             max_new_tokens=ac.max_new_tokens, prompt=ac.prompt,
                                             history_length=ac.history_length, system=ac.system,
-                                            **dict(ac.rollout_options))
+                                            **wants, **dict(ac.rollout_options))
         dataset = rollout.dataset(seeds)
         bridge_kwargs: dict[str, Any] = {"rollout_func": rollout, "reward_funcs": [rollout.reward_func]}
     else:
@@ -224,6 +228,11 @@ def run(recipe: Recipe, max_steps: int | None = None, eval: bool = True) -> RunR
         distill = {"schedule_params": dict(ac.schedule_params), "teacher": ac.teacher}
     trainer_cls = make_trainer(grpo_trainer(), credit=ac.credit, schedule=ac.schedule, **distill,
                                           **ac.credit_params)
+    ccm = getattr(bridge_kwargs.get("rollout_func"), "ccm_distill", None)
+    if ccm is not None and ccm[0] > 0:  # rollout: memory (CCM): privileged full-history distillation
+        from .trl.ccm import with_ccm
+
+        trainer_cls = with_ccm(trainer_cls, *ccm)
     metrics_cb = MetricsCallback(out_dir / "metrics.jsonl")
     trainer = trainer_cls(model=model, processing_class=tokenizer, args=config, train_dataset=dataset,
                           callbacks=[metrics_cb], **bridge_kwargs)
