@@ -59,6 +59,7 @@ response tokens with ``response_mask`` 1 (at most ``rollout.response_length``), 
     success      the episode ended in success (same on every row of the episode)
     truncated    the episode hit max_steps without a terminal state (same on every row)
     valid        the action was admissible (bool)
+    signature    MVPO's viability signature: ``anchor_key|d<3 * (t // 3)>`` (the state and its depth bin)
     min_global_steps / max_global_steps   the rollout server's weight versions (None when it reports none)
     reward_extra_info   {"success": 0/1, "episode_return": sum r_t, "episode_steps": T}
 
@@ -84,6 +85,7 @@ from verl.utils.profiler import simple_timer
 
 import env_adapters
 
+from env_adapters.descriptors import DESCRIPTOR, step_descriptor
 from env_adapters.prompting import build_prompt, parse_action
 
 __all__ = ["EnvAgentLoop", "AGENT_NAME", "SAMPLE_FIELDS"]
@@ -95,6 +97,12 @@ AGENT_NAME = "agentcredit_env"
 SAMPLE_FIELDS = ("env_name", "env_options", "seed", "max_steps")
 #: server-reported extra_fields the loop forwards to every row (verl's staleness tags read them)
 _SERVER_KEYS = ("min_global_steps", "max_global_steps")
+
+
+def step_signature(anchor: str, t: int, width: int = 3) -> str:
+    """MVPO's per-step ``signature`` (App. A.3) when the env has no coarser parser: the canonical state and the
+    depth bin ``width * (t // width)``, e.g. ``"<state>|d3"``."""
+    return f"{anchor}|d{(int(t) // width) * width}"
 
 
 def _sample_field(kwargs: Mapping[str, Any], name: str, default: Any = None) -> Any:
@@ -124,10 +132,11 @@ class EnvAgentLoop(AgentLoopBase):
         env_options: factory options merged under a sample's ``env_options``.
         max_steps: step limit when a sample has no ``max_steps`` field.
         history_length: past (observation, action) steps shown in each prompt.
+        descriptors: attach the ``descriptor`` extra field of every step (TJPO; :mod:`env_adapters.descriptors`).
     """
 
     def __init__(self, *args, env_name: str = "minigrid", env_options: Mapping[str, Any] | None = None,
-                 max_steps: int = 8, history_length: int = 2, **kwargs):
+                 max_steps: int = 8, history_length: int = 2, descriptors: bool = False, **kwargs):
         kwargs.pop("tools", None)  # verl passes its tool list to every loop; an env loop has no tools
         kwargs.pop("name", None)   # the 'name' key of an agent_loop_config_path entry
         super().__init__(*args, **kwargs)
@@ -135,6 +144,7 @@ class EnvAgentLoop(AgentLoopBase):
         self.env_options = dict(env_options or {})
         self.max_steps = int(max_steps)
         self.history_length = int(history_length)
+        self.descriptors = bool(descriptors)  # TJPO's per-step ``descriptor`` extra field (env_adapters.descriptors)
         if self.max_steps < 1:
             raise ValueError(f"max_steps={self.max_steps}; an episode needs at least one step")
         self.response_length = self.rollout_config.response_length
@@ -214,6 +224,8 @@ class EnvAgentLoop(AgentLoopBase):
             action_text = parse_action(text)
             action_key = env.action_key(action_text) if action_text is not None else None
             more = self.step_extras(env, action_text)
+            if self.descriptors:
+                more[DESCRIPTOR] = step_descriptor(env, action_key)
             result = env.step(action_text)
             steps.append(dict(
                 prompt_ids=prompt_ids, response_ids=response_ids[: self.response_length],
@@ -221,7 +233,8 @@ class EnvAgentLoop(AgentLoopBase):
                 response_logprobs=response_logprobs[: self.response_length] if response_logprobs else None,
                 metrics=metrics, server_extra=dict(out.extra_fields or {}),
                 extra={"step_idx": t, "anchor_key": anchor, "action_key": action_key,
-                       "step_reward": float(result.reward), "valid": action_key is not None, **more}))
+                       "step_reward": float(result.reward), "valid": action_key is not None,
+                       "signature": step_signature(anchor, t), **more}))
             history.append((observation, action_key))
             observation = result.observation
             if result.done:

@@ -33,7 +33,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopO
 from env_adapters.prompting import build_prompt, parse_action
 from env_adapters.search import Node, decision_row, fork_starts, new_root, require_search_env
 
-from .agent_loop import EnvAgentLoop, _plain, _sample_field
+from .agent_loop import _SERVER_KEYS, EnvAgentLoop, _plain, _sample_field
 
 __all__ = ["CounterfactualAgentLoop", "TreeAgentLoop"]
 
@@ -86,7 +86,8 @@ class TreeAgentLoop(EnvAgentLoop):
         self.criterion, self.alpha, self.lam = criterion, float(alpha), float(lam)
 
     async def _chain(self, tree: list[Node], start: tuple, kwargs: Mapping[str, Any], sampling_params: dict,
-                     priority: int, max_steps: int, system: list[dict], seed) -> None:
+                     priority: int, max_steps: int, system: list[dict], seed,
+                     versions: dict[int, dict] | None = None) -> None:
         parent, snap, depth, ret, fresh = start
         env = self.make_env(kwargs)
         require_search_env(env, "agentcredit_tree")
@@ -116,6 +117,8 @@ class TreeAgentLoop(EnvAgentLoop):
                         response_mask=[1] * len(out.token_ids[: self.response_length]),
                         logprobs=lps if sampling_params.get("logprobs") else None)
             tree.append(node)
+            if versions is not None:  # the server's weight versions: verl's staleness tags read them on every row
+                versions[node.id] = {k: (out.extra_fields or {}).get(k) for k in _SERVER_KEYS}
             if parent >= 0:
                 tree[parent].children.append(node.id)
             if result.done or depth + 1 >= max_steps:
@@ -130,12 +133,13 @@ class TreeAgentLoop(EnvAgentLoop):
         system = [dict(m) for m in (kwargs.get("raw_prompt") or []) if isinstance(m, Mapping)
                   and m.get("role") == "system"]
         tree: list[Node] = []
+        versions: dict[int, dict] = {}
         root = new_root()
 
         async def grow(starts):
             # chains run concurrently but append to one list: node ids are assigned in completion order
-            await asyncio.gather(*(self._chain(tree, s, kwargs, sampling_params, priority, max_steps, system, seed)
-                                   for s in starts))
+            await asyncio.gather(*(self._chain(tree, s, kwargs, sampling_params, priority, max_steps, system, seed,
+                                               versions) for s in starts))
 
         await grow([(-1, None, 0, 0.0, False)] * self.initial)
         for _ in range(self.iterations):
@@ -152,6 +156,7 @@ class TreeAgentLoop(EnvAgentLoop):
                      "selected": n.selected, **{f"root_{k}": v for k, v in root.items()},
                      "reward_extra_info": {"success": float(n.success), "episode_return": n.path_return,
                                            "episode_steps": n.depth + 1}}
+            extra.update(versions.get(n.id, {k: None for k in _SERVER_KEYS}))
             outputs.append(AgentLoopOutput(
                 prompt_ids=n.prompt_ids, response_ids=n.completion_ids, response_mask=n.response_mask or [0],
                 response_logprobs=n.logprobs, reward_score=mean_return if i == len(tree) - 1 else None,

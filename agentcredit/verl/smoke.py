@@ -1,0 +1,314 @@
+"""``agentcredit verl RECIPE.yaml --cpu-smoke``: a real 2-step ``main_ppo`` run of a verl recipe on the CPU.
+
+:func:`prepare` turns a shipped recipe into a small CPU run in a work folder: a few episodes written with the
+recipe's ``make_env_dataset.py``, a copy of its agent-loop file with a short step limit (and a small tree / budget
+for the search loops), the tiny local model (``agentcredit.models``), :data:`agentcredit.verl.cpu.CPU_OVERRIDES` plus
+small batch sizes, Hydra's output and the checkpoints under the work folder. :func:`run` starts
+``python -m verl.trainer.main_ppo`` with ``VERL_PLATFORM=cpu VERL_USE_EXTERNAL_MODULES=agentcredit.verl.cpu`` and
+:func:`parse_metrics` reads the step metrics back from verl's console logger (``step:N - key:value - ...``).
+
+It only assembles and runs the command; the run itself loads :mod:`agentcredit.verl.cpu` in every verl process.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROLLOUT = "hfcpu"
+MODULE = "agentcredit.verl.cpu"
+
+#: the overrides a verl run on this backend needs (besides the env vars VERL_PLATFORM / VERL_USE_EXTERNAL_MODULES)
+CPU_OVERRIDES = (
+    "trainer.device=cpu",
+    "trainer.n_gpus_per_node=1",
+    "trainer.nnodes=1",
+    "+ray_kwargs.ray_init.num_gpus=1",          # logical slots for verl's GPU-only resource pools
+    "+ray_kwargs.ray_init.num_cpus=8",          # each bundle asks for max_colocate_count CPUs
+    f"actor_rollout_ref.rollout.name={ROLLOUT}",
+    "actor_rollout_ref.rollout.mode=async",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+    "actor_rollout_ref.rollout.agent.num_workers=1",
+    "actor_rollout_ref.rollout.calculate_log_probs=true",
+    "actor_rollout_ref.actor.strategy=fsdp2",
+    "actor_rollout_ref.actor.fsdp_config.strategy=fsdp2",
+    "actor_rollout_ref.actor.fsdp_config.dtype=float32",
+    "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
+    "actor_rollout_ref.actor.use_torch_compile=false",
+    "actor_rollout_ref.actor.fsdp_config.use_torch_compile=false",
+    "actor_rollout_ref.model.use_remove_padding=false",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+    "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+    "reward.num_workers=1",
+    "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+    "data.dataloader_num_workers=0",
+)
+
+#: environment of a CPU run
+CPU_ENV = {"VERL_PLATFORM": "cpu", "VERL_USE_EXTERNAL_MODULES": MODULE}
+
+
+#: agent-loop options a smoke run overrides (per loop class): small episodes, small trees / budgets
+SMOKE_LOOP_OPTIONS = {
+    "agentcredit_env": {"max_steps": 3},
+    "agentcredit_counterfactual": {"max_steps": 3, "budget": 4},
+    "agentcredit_tree": {"max_steps": 3, "initial": 2, "iterations": 1, "beam": 1, "branches": 2},
+}
+#: the metrics the CLI prints after a smoke run
+SHOWN = ("agentcredit/", "actor/grad_norm", "actor/pg_loss", "training/rollout_probs_diff", "critic/advantages",
+         "critic/score/mean", "timing_s/step")
+
+
+@dataclass
+class SmokeRun:
+    """A prepared CPU run: the command, its environment and where it writes."""
+
+    cmd: list[str]
+    env: dict[str, str]
+    workdir: Path
+    cwd: Path
+    overrides: list[str] = field(default_factory=list)
+
+
+def _load_yaml(path: Path) -> Any:
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+def _get(cfg: Mapping, dotted: str, default: Any = None) -> Any:
+    node: Any = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def _resolve(path: str, recipe: Path) -> Path:
+    p = Path(os.path.expanduser(path))
+    if p.is_absolute():
+        return p
+    for base in (Path.cwd(), recipe.parent.parent.parent, recipe.parent):
+        if (base / p).exists():
+            return (base / p).resolve()
+    raise FileNotFoundError(f"agent-loop config {path!r} of {recipe} not found (relative to the working directory "
+                            f"or the repository root)")
+
+
+def prepare(recipe: str | os.PathLike, workdir: str | os.PathLike, *, steps: int = 2, model: str | None = None,
+            rows: int = 2, n: int | None = None, response_length: int = 16, loop_options: Mapping | None = None,
+            overrides: Sequence[str] = ()) -> SmokeRun:
+    """Build the dataset, agent-loop file, model and command of a ``steps``-step CPU run of ``recipe``."""
+    from agentcredit.models import resolve_model
+
+    recipe = Path(recipe).resolve()
+    workdir = Path(workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    cfg = _load_yaml(recipe) or {}
+    agent = _get(cfg, "actor_rollout_ref.rollout.agent", {}) or {}
+    loop_name = agent.get("default_agent_loop", "agentcredit_env")
+    loop_path = agent.get("agent_loop_config_path")
+    if not loop_path:
+        raise ValueError(f"{recipe.name}: actor_rollout_ref.rollout.agent.agent_loop_config_path is not set; a smoke "
+                         f"run needs the recipe's agent-loop file")
+    entries = _load_yaml(_resolve(loop_path, recipe)) or []
+    entry = next((dict(e) for e in entries if e.get("name") == loop_name), None)
+    if entry is None:
+        raise ValueError(f"{loop_path} has no agent loop named {loop_name!r}")
+    entry.update(SMOKE_LOOP_OPTIONS.get(loop_name, {"max_steps": 3}))
+    entry.update(dict(loop_options or {}))
+    loop_file = workdir / "agent_loops.yaml"
+    loop_file.write_text(yaml.safe_dump([entry], sort_keys=False))
+
+    env_name = entry.get("env_name", "minigrid")
+    data_dir = workdir / "data"
+    script = recipe.parent / "make_env_dataset.py"
+    if not script.exists():
+        raise FileNotFoundError(f"{script} is missing: the smoke run writes its episodes with the recipe folder's "
+                                f"make_env_dataset.py")
+    subprocess.run([sys.executable, str(script), "--env", env_name, "--train", str(max(rows * steps, rows)),
+                    "--val", str(rows), "--out", str(data_dir), "--agent-name", loop_name], check=True,
+                   capture_output=True, text=True)
+
+    model_path = resolve_model(model) if model else primed_tiny_model()
+    if n is None:
+        n = 1 if loop_name == "agentcredit_tree" else 2
+    run_overrides = [
+        *CPU_OVERRIDES,
+        f"hydra.run.dir={workdir / 'hydra'}",
+        f"data.train_files={data_dir / 'train.parquet'}",
+        f"data.val_files={data_dir / 'val.parquet'}",
+        f"data.train_batch_size={rows}",
+        "data.max_prompt_length=1024",
+        f"data.max_response_length={response_length}",
+        "data.shuffle=false",
+        f"actor_rollout_ref.model.path={model_path}",
+        f"actor_rollout_ref.rollout.n={n}",
+        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loop_file}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={rows}",
+        "actor_rollout_ref.actor.use_kl_loss=false",
+        "actor_rollout_ref.actor.optim.lr=1e-5",
+        f"trainer.total_training_steps={steps}",
+        "trainer.total_epochs=100",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.logger=[console]",
+        f"trainer.default_local_dir={workdir / 'checkpoints'}",
+        *overrides,
+    ]
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(recipe.parent), "--config-name",
+           recipe.stem, *run_overrides]
+    env = {**os.environ, **CPU_ENV, "RAY_DEDUP_LOGS": "0", "TOKENIZERS_PARALLELISM": "false",
+           "TRL_EXPERIMENTAL_SILENCE": "1", "HYDRA_FULL_ERROR": "1"}
+    return SmokeRun(cmd=cmd, env=env, workdir=workdir, cwd=recipe.parent.parent.parent, overrides=run_overrides)
+
+
+#: the answers a primed tiny model learns (Sokoban's moves, one invalid word so some steps are penalised)
+PRIME_ANSWERS = ("<action>up</action>", "<action>down</action>", "<action>left</action>", "<action>right</action>",
+                 "<action>wall</action>")
+
+
+def primed_tiny_model(answers: Sequence[str] = PRIME_ANSWERS, steps: int = 150, seed: int = 0) -> str:
+    """The tiny local Qwen2, fitted for ``steps`` Adam steps to answer any prompt with one of ``answers`` (uniform).
+
+    A random tiny model never writes ``<action>...</action>``, so every step of every episode gets the same
+    invalid-action penalty and every group has zero variance: the estimators' advantages are all zero and a smoke
+    run proves little. The primed model samples a mix of moves and invalid words, so episodes in a group differ
+    (returns, states) and the credit is non-zero. Cached under ``agentcredit.models.cache_dir()`` (a few seconds
+    to build once).
+    """
+    import hashlib
+    import shutil
+    import tempfile
+
+    from agentcredit.models import TINY, cache_dir, resolve_model
+
+    key = hashlib.sha256(repr((tuple(answers), steps, seed)).encode()).hexdigest()[:10]
+    target = cache_dir() / "models" / f"{TINY}-primed-{key}"
+    if (target / "config.json").exists():
+        return str(target)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = resolve_model(TINY)
+    tok = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    words = ["#", "_", "P", "X", "O", "box", "wall", "you", "are", "at", "row", "the", "goal", "move"]
+    examples = []
+    for i in range(64):
+        user = " ".join(words[int(j)] for j in torch.randint(len(words), (int(torch.randint(3, 30, (1,), generator=gen)),),
+                                                          generator=gen))
+        prompt = tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
+        answer = answers[i % len(answers)] + tok.eos_token
+        p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        a_ids = tok(answer, add_special_tokens=False)["input_ids"]
+        examples.append((p_ids, a_ids))
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        idx = torch.randint(len(examples), (16,), generator=gen).tolist()
+        loss = 0.0
+        for k in idx:
+            p_ids, a_ids = examples[k]
+            ids = torch.tensor([p_ids + a_ids])
+            labels = torch.tensor([[-100] * len(p_ids) + a_ids])
+            loss = loss + model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        (loss / len(idx)).backward()
+        opt.step()
+    model.eval()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if not (target / "config.json").exists():
+            if target.exists():
+                shutil.rmtree(target)
+            tmp.rename(target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+_STEP = re.compile(r"step:(\d+) - (.*)$")
+
+
+def _value(text: str) -> Any:
+    text = text.strip()
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        try:
+            return float(text)
+        except ValueError:
+            return text
+
+
+def parse_metrics(lines: Iterable[str]) -> dict[int, dict[str, Any]]:
+    """``{step: {metric: value}}`` from verl's console logger lines ``step:N - key:value - key:value ...``."""
+    steps: dict[int, dict[str, Any]] = {}
+    for line in lines:
+        m = _STEP.search(line)
+        if not m:
+            continue
+        metrics = steps.setdefault(int(m.group(1)), {})
+        for item in m.group(2).split(" - "):
+            key, sep, value = item.partition(":")
+            if sep:
+                metrics[key.strip()] = _value(value)
+    return steps
+
+
+def run(smoke: SmokeRun, timeout: float | None = None, echo: bool = False) -> tuple[int, str, dict[int, dict]]:
+    """Run the prepared command; returns ``(exit code, full log, step metrics)``. The log is also written to
+    ``workdir/run.log``."""
+    log_path = smoke.workdir / "run.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(smoke.cmd, cwd=smoke.cwd, env=smoke.env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        out: list[str] = []
+        try:
+            import threading
+
+            start = time.monotonic()
+
+            def pump():
+                for line in proc.stdout:
+                    out.append(line)
+                    log.write(f"[{time.monotonic() - start:7.1f}s] {line}")
+                    if echo:
+                        sys.stderr.write(line)
+
+            reader = threading.Thread(target=pump, daemon=True)
+            reader.start()
+            rc = proc.wait(timeout=timeout)
+            reader.join(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            rc = 124
+    text = "".join(out)
+    return rc, text, parse_metrics(text.splitlines())
+
+
+def format_metrics(steps: Mapping[int, Mapping[str, Any]], prefixes: Sequence[str] = SHOWN) -> str:
+    lines = []
+    for step in sorted(steps):
+        shown = {k: v for k, v in sorted(steps[step].items()) if any(k.startswith(p) for p in prefixes)}
+        lines.append(f"step {step}:")
+        lines.extend(f"  {k} = {v:.6g}" if isinstance(v, float) else f"  {k} = {v}" for k, v in shown.items())
+    return "\n".join(lines)
