@@ -88,8 +88,10 @@ def shaped_forests(draw, max_trees=4, round_h=False):
 any_forest = st.one_of(forests(max_trees=3, max_nodes=10), shaped_forests())
 
 at2po_params = st.builds(sipo_mod.AT2POParams, child_weights=st.sampled_from(["softmax", "linear"]),
-                         leaf_value_norm=st.booleans(), eps=st.sampled_from([1e-6, 1e-3, 0.1]))
+                         leaf_value_norm=st.booleans(), eps=st.sampled_from([1e-6, 1e-3, 0.1]),
+                         node_adv=st.sampled_from(sipo_mod.NODE_ADV))
 sipo_params = st.builds(sipo_mod.SIPOParams, child_weights=st.sampled_from(["softmax", "linear"]),
+                        node_adv=st.sampled_from(sipo_mod.NODE_ADV),
                         leaf_value_norm=st.booleans(), eps=st.sampled_from([1e-6, 1e-3, 0.1]),
                         postsel_correction_weight=st.sampled_from([0.0, 0.5, 1.0, 1.7]),
                         event_semantics=st.sampled_from(sipo_mod.EVENT_SEMANTICS),

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 import credit_plugins as cp
 from credit_plugins import trees as _tree
 from credit_plugins.estimators import sipo as mod
-from credit_plugins.trees import blom, build_forest, host_scores, select_top_k, sfc_scores
+from credit_plugins.estimators.sipo import tree_values
+from credit_plugins.trees import blom, build_forest, child_weights, host_scores, select_top_k, sfc_scores
 
 SETTINGS = settings(max_examples=40, deadline=None)
 EPS = 1e-6
@@ -355,6 +356,45 @@ def test_at2po_hand_computed():
     # raw leaves: V_a = 1/4 * 1 + 3/4 * 0
     got = by_id(steps, at2po_est(steps, leaf_value_norm=False))
     assert got == pytest.approx({1: 0.25, 2: 1.0, 3: 1.0, 4: 0.0})
+
+
+def test_at2po_value_gain_hand_computed():
+    """node_adv='value_gain': A_n = V_n - V_parent(n); the prompt's value is the softmax backup of a and b."""
+    steps = small_table()
+    s2 = math.sqrt(2)
+    v_a, v_b = -5 / (4 * s2), 1 / s2
+    w_a = math.exp(1.0) / (math.exp(1.0) + math.exp(0.5))
+    v_root = w_a * v_a + (1 - w_a) * v_b
+    got = by_id(steps, at2po_est(steps, node_adv="value_gain"))
+    assert got == pytest.approx({1: v_a - v_root, 2: v_b - v_root, 3: 1 / s2 - v_a, 4: -s2 - v_a}, rel=1e-5)
+    assert got[3] == pytest.approx(9 / (4 * s2), rel=1e-5) and got[4] == pytest.approx(-3 / (4 * s2), rel=1e-5)
+
+
+@SETTINGS
+@given(forests(), st.sampled_from(["softmax", "linear"]), st.booleans())
+def test_value_gain_sums_to_zero_over_each_sibling_set(data, mode, norm):
+    """Each sibling set's weighted value gains cancel (its parent's value is their weighted mean), so value_gain
+    compares alternatives taken from the same state; a single child gets 0."""
+    nodes, _ = data
+    steps = table(nodes)
+    p = mod.AT2POParams(child_weights=mode, leaf_value_norm=norm, node_adv="value_gain")
+    adv = mod.at2po(steps, p)
+    forest = build_forest(steps)
+    h = steps.extra("surprisal").double()
+    w = child_weights(forest, h, mode)
+    sets = forest.sibling_set
+    total = torch.zeros(forest.n_nodes + forest.n_trees, dtype=torch.float64).index_add_(0, sets, w * adv)
+    assert torch.allclose(total, torch.zeros_like(total), atol=1e-9)
+    only_child = torch.bincount(sets, minlength=total.numel())[sets] == 1
+    assert torch.allclose(adv[only_child], torch.zeros_like(adv[only_child]), atol=1e-12)
+    # the default is the released code's node value, unchanged
+    assert torch.equal(mod.at2po(steps, mod.AT2POParams(child_weights=mode, leaf_value_norm=norm)),
+                       tree_values(forest, mod.leaf_values(steps, forest, p), h, mode))
+
+
+def test_node_adv_is_checked():
+    with pytest.raises(ValueError, match="node_adv"):
+        at2po_est(small_table(), node_adv="gain")
 
 
 def test_sipo_hand_computed():

@@ -287,8 +287,10 @@ def _write_rows(tq, rows=ROWS, with_anchor=True):
         for traj, steps in by_traj.items():
             uid, session = traj.split("_")
             outs = []
-            for _, _, t, anchor, action, score in steps:
-                extra = {"action_key": action, "signature": anchor[:2]}  # step_idx and traj: from the keys
+            for row in steps:
+                _, _, t, anchor, action, score = row
+                extra = {"action_key": action, "signature": anchor[:2],  # step_idx and traj: from the keys
+                         "descriptor": descriptor(row)}
                 if with_anchor:
                     extra["anchor_key"] = anchor
                 if score is not None:

@@ -13,7 +13,9 @@ arXiv:2609.34805 (§4, Eqs. 2-6, 11). Code: ``Zenghuang-Fu/SIPO@ad59036``,
     r^_u     = (r_u - mean_T r) / (std_T r + 1e-6)        leaf z-score within the tree T (population std)
     V_n      = r^_n at a leaf,  sum_{c in C(n)} w_c V_c at an internal node             AT²PO Eq. 3
     w_c      = exp(H_c) / sum_c' exp(H_c')  ('softmax', code)  |  H_c / sum_c' H_c'  ('linear', AT²PO paper)
-    A_n      = V_n                                          node_adv_mode = node_value
+    A_n      = V_n                                          node_adv = 'node_value' (the released code's node_value)
+    A_n      = V_n - V_parent(n)                            node_adv = 'value_gain' (the virtual root's V: the same
+                                                            backup over the tree's first-level nodes)
 
     V~_u     = V_u - w * a2_(t-1) * h(r_e, n_e)   at a leaf u with an applicable selection event e      SIPO Eq. 5
     h(r, n)  = Phi^-1((n - r + 1 - 0.375) / (n + 0.25))    Blom's E[Z_(r:n)], r = descending rank      Eq. 11
@@ -35,6 +37,17 @@ was never ranked). Output: ``[S]`` per node, A_n.
 
 Decisions (spec §8, §15 item 6):
 
+* Node credit, ``node_adv="node_value"`` (default) [S-code]: a node's advantage is its subtree's value. The values
+  are z-scored leaf outcomes, so a node whose subtree does as well as the tree's average gets about 0, whatever the
+  step it took from its parent's state: on the demo task the tree runs lost valid actions while training (0.59 ->
+  0.19-0.26; README). ``"value_gain"`` [RECON, this project's option] credits the change a node makes to the value
+  of the state it left, ``V_n - V_parent(n)``; a node's siblings then compare alternatives from the same state (the
+  anchor comparison of GiGPO), and along a chain of single children the credit is 0. It is not in either paper.
+  Measured with ``benchmarks/credit_quality.py`` (trees of 4 chains + one 2 x 2 expansion): it is worse than the
+  default there, because every chain node gets exactly 0 (91-99 % of the rows with a true advantage): Pearson r
+  with A* 0.01-0.18 against 0.17-0.27, final tabular success rooms 0.26 / keydoor 0.13 / lock 0.24 against 0.82 /
+  0.53 / 0.96. Whether it keeps an LM's action format on the demo task has not been measured. Kept as an option
+  for that measurement; the default stays the released code's.
 * Layout: one row per node instead of one row per leaf; each node is trained once with A_n (the code writes A_n into
   the node's span of all |L(n)| descendant leaf rows; ``Forest.leaf_count`` is that multiplicity).
 * Child weights default to the code's softmax (``node_value_mode=child_softmax``) [S-code]; ``"linear"`` is the AT²PO
@@ -71,10 +84,11 @@ from ..steptable import StepTable
 from ..trees import CHILD_WEIGHTS, Forest, _int_column, blom, build_forest, child_weights, leaf_zscore, sfc_scores
 
 __all__ = ["AT2POParams", "SIPOParams", "SIPO", "SIPOTerms", "at2po", "sipo", "sipo_terms", "tree_values",
-           "leaf_values", "selection_events", "estimate_a2", "ESTIMATOR", "AT2PO_ESTIMATOR", "ESTIMATORS",
+           "leaf_values", "node_advantage", "selection_events", "estimate_a2", "ESTIMATOR", "AT2PO_ESTIMATOR", "ESTIMATORS",
            "EVENT_SEMANTICS", "A2_ESTIMATORS"]
 
 EVENT_SEMANTICS = ("released_code", "paper_selected_only")
+NODE_ADV = ("node_value", "value_gain")
 A2_ESTIMATORS = ("code_corr", "paper_slope")
 DEGENERATE = 1e-12  # the code's `sx < 1e-12 or sy < 1e-12` test in _candidate_level_a2
 AT2PO_EXTRAS = ("parent", "surprisal")
@@ -92,8 +106,13 @@ class AT2POParams:
     leaf_value_norm: bool = param(True, "z-score the leaf rewards within each tree (population std + eps) before "
                                   "the backup; False backs up the raw rewards.")
     eps: float = param(1e-6, "Added to the leaf std (the code's 1e-6).")
+    node_adv: str = param("node_value", "A node's credit: 'node_value' A_n = V_n (released code) or 'value_gain' "
+                          "A_n = V_n - V_parent(n) (this project's option; the virtual root's V is the same backup of "
+                          "the tree's first-level nodes).")
 
     def __post_init__(self):
+        if self.node_adv not in NODE_ADV:
+            raise ValueError(f"node_adv={self.node_adv!r}; choose one of {NODE_ADV}")
         if self.child_weights not in CHILD_WEIGHTS:
             raise ValueError(f"child_weights={self.child_weights!r}; choose one of {CHILD_WEIGHTS}")
         if not (math.isfinite(self.eps) and self.eps > 0):
@@ -203,11 +222,24 @@ def tree_values(forest: Forest, leaf_vals: torch.Tensor, entropy: torch.Tensor, 
     return forest.backup(leaf_vals, child_weights(forest, entropy, mode))
 
 
+def node_advantage(forest: Forest, values: torch.Tensor, entropy: torch.Tensor, p: AT2POParams) -> torch.Tensor:
+    """[S] float64 node credit from the node values: ``V_n`` ('node_value') or ``V_n - V_parent(n)`` ('value_gain'),
+    where a first-level node's parent is the virtual root, valued by the same weighted backup of its children."""
+    if p.node_adv == "node_value":
+        return values
+    w = child_weights(forest, entropy, p.child_weights)
+    top = forest.is_root_child
+    root = torch.zeros(forest.n_trees, dtype=torch.float64).index_add_(0, forest.tree[top], (w * values)[top])
+    parent_value = torch.where(top, root[forest.tree], values[forest.parent.clamp(min=0)])
+    return values - parent_value
+
+
 def at2po(steps: StepTable, p: AT2POParams) -> torch.Tensor:
-    """[S] float64 A_n = V_n per node (sorted order)."""
+    """[S] float64 A_n = V_n (or V_n - V_parent(n)) per node (sorted order)."""
     forest = build_forest(steps)
     entropy = _surprisal(steps, p)
-    return tree_values(forest, leaf_values(steps, forest, p), entropy, p.child_weights)
+    return node_advantage(forest, tree_values(forest, leaf_values(steps, forest, p), entropy, p.child_weights),
+                          entropy, p)
 
 
 # ---- SIPO -------------------------------------------------------------------------------------------------------
@@ -304,7 +336,7 @@ def sipo_terms(steps: StepTable, p: SIPOParams, a2: float | None) -> SIPOTerms:
     corrected = base
     if a2 is not None and p.postsel_correction_weight > 0:
         corrected = base - p.postsel_correction_weight * a2 * h  # h = 0 on leaves without an event
-    advantage = tree_values(forest, corrected, entropy, p.child_weights)
+    advantage = node_advantage(forest, tree_values(forest, corrected, entropy, p.child_weights), entropy, p)
     return SIPOTerms(advantage=advantage, leaf_values=base, corrected_leaf_values=corrected, has_event=has_event,
                      h=h, a2_used=a2, a2_next=a2_next, n_candidates=n_candidates,
                      n_leaves=int(forest.is_leaf.sum()))
@@ -348,7 +380,7 @@ class SIPO(StatefulEstimator):
             "sipo/event_leaf_frac": float(terms.has_event.sum()) / max(terms.n_leaves, 1),
             "sipo/corrected_leaves": float(corrected),
         }
-        return steps.to_input_order(terms.advantage).to(torch.float32)
+        return steps.to_input_order(terms.advantage)  # float64; the locked wrapper checks it and casts to float32
 
     def state_dict(self) -> dict[str, Any]:
         s = self._state

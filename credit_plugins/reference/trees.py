@@ -141,11 +141,24 @@ def _backup(f: _Forest, leaf_vals: dict[int, float], h: list[float], mode: str) 
     return v
 
 
+def _node_credit(f: _Forest, v: list[float], h: list[float], p) -> list[float]:
+    """A_n = V_n ('node_value'), or V_n minus its parent's value ('value_gain'; the virtual root is valued by the
+    same weighted backup of its children)."""
+    if p.node_adv == "node_value":
+        return v
+    root = {}
+    for g, kids in f.root_children.items():
+        w = _child_weights(h, kids, p.child_weights)
+        root[g] = sum(w[c] * v[c] for c in kids)
+    return [v[i] - (root[f.tree[i]] if f.parent[i] == ROOT else v[f.parent[i]]) for i in range(f.n)]
+
+
 def at2po_reference(steps: StepTable, p) -> torch.Tensor:
-    """[S] float64 AT²PO turn credit A_n = V_n, sorted row order."""
+    """[S] float64 AT²PO turn credit A_n = V_n (or V_n - V_parent), sorted row order."""
     f = _Forest(steps)
     h = steps.extra("surprisal").double().tolist()
-    return torch.tensor(_backup(f, _leaf_values(steps, f, p), h, p.child_weights), dtype=torch.float64)
+    return torch.tensor(_node_credit(f, _backup(f, _leaf_values(steps, f, p), h, p.child_weights), h, p),
+                        dtype=torch.float64)
 
 
 # ---- SIPO -------------------------------------------------------------------------------------------------------
@@ -199,7 +212,7 @@ def sipo_reference(steps: StepTable, p, a2: float | None = None) -> torch.Tensor
             event = _selection_event(cols, f, u, p.event_semantics)
             if event is not None:
                 vals[u] -= p.postsel_correction_weight * a2 * blom(*event)   # SIPO Eq. 5
-    return torch.tensor(_backup(f, vals, h, p.child_weights), dtype=torch.float64)
+    return torch.tensor(_node_credit(f, _backup(f, vals, h, p.child_weights), h, p), dtype=torch.float64)
 
 
 def _sfc(s: list[float], b: list[float], lam: float) -> list[float]:
