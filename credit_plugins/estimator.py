@@ -26,7 +26,8 @@ SOURCES = {
     "env": "the environment adapter, on every step of every rollout (e.g. MVPO's progress signature)",
     "turns": "the turn rollout's own bookkeeping (e.g. whether the turn's action parsed)",
     "hindsight": "hindsight scoring: the policy re-scores a failed rollout under a successful sibling's actions "
-                 "(TRL: agentcredit.trl.privileged; not possible on verl 0.9.1)",
+                 "(TRL: agentcredit.trl.privileged; verl v1 trainer: agentcredit.verl.hindsight, log-probs only, no "
+                 "hidden-state embeddings)",
     "counterfactual": "counterfactual decisions from env snapshots (TRL CounterfactualRollout, verl "
                       "agentcredit_counterfactual loop; recipes: agentcredit.rollout: counterfactual)",
     "tree": "tree rollouts forked from env snapshots (TRL TreeRollout, verl agentcredit_tree loop; recipes: "

@@ -322,11 +322,118 @@ def _trainer_config(name="gigpo", **params):
     return OmegaConf.create({"algorithm": dict(algo_config(name, **params)), "actor_rollout_ref": {"rollout": {"n": 2}}})
 
 
-@pytest.mark.parametrize("name", ["uniopsd", "alignopsd"])
-def test_hindsight_estimators_are_refused_on_verl_with_the_reason(name):
-    data = legacy_batch()
-    with pytest.raises(ValueError, match=rf"{name}.*hindsight prompt.*verl 0\.9\.1.*recipes/trl/minigrid_{name}"):
-        compute_advantage(data, adv_estimator=name, config=algo_config(name))
+def test_alignopsd_is_refused_on_verl_naming_the_embeddings_verls_worker_cannot_give():
+    with pytest.raises(ValueError, match=r"alignopsd.*emb_teacher.*compute_log_prob.*recipes/trl/minigrid_alignopsd"):
+        compute_advantage(legacy_batch(), adv_estimator="alignopsd", config=algo_config("alignopsd"))
+
+
+def test_uniopsd_without_hindsight_columns_says_they_come_from_the_v1_trainer_wrap():
+    with pytest.raises(ValueError, match=r"uniopsd.*hindsight prompt.*logp_old.*non_tensor_batch.*use_v1=True"):
+        compute_advantage(legacy_batch(), adv_estimator="uniopsd", config=algo_config("uniopsd"))
+
+
+# ---- v1 hindsight scoring (UniOPSD): real TransferQueue, a stand-in actor worker group and tokenizer ----------
+#: what the stand-in tokenizer decodes the rows' response tokens (10 + step) to: one action each
+RESPONSE_TEXT = {10: "up</action>", 11: "left</action>"}
+
+
+class _CharTokenizer:
+    """Characters <-> code points, except the response tokens of ROWS (:data:`RESPONSE_TEXT`) and the prompt
+    tokens 1, 2, 3 ("abc")."""
+
+    vocab = {1: "a", 2: "b", 3: "c", **RESPONSE_TEXT}
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(self.vocab.get(int(i), chr(int(i))) for i in ids)
+
+    def batch_decode(self, rows, skip_special_tokens=False):
+        return [self.decode(r) for r in rows]
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+class _ActorGroup:
+    """Stands in for verl's actor worker group: ``compute_log_prob(KVBatchMeta)`` reads the rows from the
+    TransferQueue and writes ``log_probs`` over the whole sequence, as the real worker does; the value of every
+    position is -0.001 x the prompt length, so a longer (hindsight) prompt gives other log-probs."""
+
+    _dispatch_info = {"actor": [0, 1, 2]}  # dp size 3: the 2 hindsight rows are padded to 3 (a repeat)
+
+    def __init__(self, tq):
+        self.tq, self.calls = tq, []
+
+    def compute_log_prob(self, meta):
+        data = self.tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id,
+                                    select_fields=["input_ids", "prompts", "responses"])
+        prompts = [p.tolist() for p in data["prompts"].unbind(0)]
+        lps = [torch.full((ids.numel(),), -0.001 * len(p)) for ids, p in zip(data["input_ids"].unbind(0), prompts)]
+        self.calls.append((meta.partition_id, list(meta.keys), dict(meta.extra_info), prompts,
+                           [r.tolist() for r in data["responses"].unbind(0)]))
+        from tensordict import TensorDict
+
+        self.tq.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields=TensorDict(
+            {"log_probs": torch.nested.as_nested_tensor(lps, layout=torch.jagged)}, batch_size=len(lps)))
+        return meta
+
+
+def _put_old_log_probs(tq, keys, value=-0.5):
+    from tensordict import TensorDict
+
+    rows = [torch.full((RESP_LEN,), value) for _ in keys]
+    tq.kv_batch_put(keys=list(keys), partition_id="train", fields=TensorDict(
+        {"old_log_probs": torch.nested.as_nested_tensor(rows, layout=torch.jagged)}, batch_size=len(rows)))
+
+
+def test_v1_uniopsd_rescores_failed_rows_under_the_successful_siblings_actions(transfer_queue):
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    from agentcredit.hindsight import PEER_HINDSIGHT_HEADER
+    from agentcredit.verl import adapter
+    from agentcredit.verl.hindsight import PARTITION
+
+    adapter.INSTANCES.clear()
+    keys = _write_rows(transfer_queue)
+    _put_old_log_probs(transfer_queue, keys)
+    group = _ActorGroup(transfer_queue)
+    config = _trainer_config("uniopsd", lam0=0.5, warmdown_steps=10)
+    config.actor_rollout_ref.rollout.temperature = 0.7
+    trainer = types.SimpleNamespace(config=config, tokenizer=_CharTokenizer(), actor_rollout_wg=group)
+    metrics = {}
+    batch = KVBatchMeta(partition_id="train", keys=list(keys), tags=[{"status": "success"}] * len(keys),
+                        extra_info={"temperature": 0.7})
+    PPOTrainer._compute_advantage(trainer, batch, metrics=metrics)
+    adv = transfer_queue.kv_batch_get(keys=list(keys), partition_id="train", select_fields=["advantages"])["advantages"]
+
+    # one extra no-grad pass, over the 2 rows of the failed rollout a_1 (task a's a_0 succeeded; task b: no success)
+    assert len(group.calls) == 1
+    part, hs_keys, info, prompts, responses = group.calls[0]
+    assert part == PARTITION and len(hs_keys) == 3
+    assert info["compute_loss"] is False and info["temperature"] == 0.7
+    hindsight = PEER_HINDSIGHT_HEADER + "1. up\n2. left\n\nabc"  # a_0's actions, then a_1's own prompt
+    assert prompts == [[ord(c) for c in hindsight]] * 3
+    assert responses == [[10] * RESP_LEN, [11] * RESP_LEN, [10] * RESP_LEN]  # a_1's own response tokens
+    assert transfer_queue.kv_list(PARTITION).get(PARTITION, {}) == {}  # the hindsight rows are gone
+    assert metrics["agentcredit/hindsight_rows"] == 2
+    assert metrics["agentcredit/hindsight_taught_frac"] == pytest.approx(2 / 6)
+    gap = abs(-0.001 * len(hindsight) - -0.5)
+    assert metrics["agentcredit/hindsight_gap_abs_mean"] == pytest.approx(gap, rel=1e-5)
+
+    # the advantages are UniOPSD's on the same table, with logp_teacher = the hindsight scores on a_1's rows
+    old = torch.full((len(ROWS), RESP_LEN), -0.5, dtype=torch.float64)
+    teacher = old.clone()
+    teacher[2:4] = torch.tensor(-0.001 * len(hindsight), dtype=torch.float32).double()
+    steps = cp.StepTable(group=[r[0] for r in ROWS], traj=[r[1] for r in ROWS], t=[r[2] for r in ROWS],
+                         state=[r[3] for r in ROWS], action=[r[4] for r in ROWS],
+                         reward=[r[5] if r[5] is not None else 0.0 for r in ROWS],
+                         extras={"logp_old": old, "logp_teacher": teacher,
+                                 "response_mask": torch.ones(len(ROWS), RESP_LEN)})
+    expected = cp.get("uniopsd").create(lam0=0.5, warmdown_steps=10)(steps)  # [S, L] token-level
+    got = torch.stack(list(adv.unbind(0))).double()
+    assert torch.isfinite(got).all() and got.abs().sum() > 0
+    assert torch.allclose(got, expected.double().reshape(got.shape), atol=1e-5)
+    adapter.INSTANCES.clear()
 
 
 @pytest.mark.parametrize("name", FLAT)

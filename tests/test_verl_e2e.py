@@ -52,8 +52,8 @@ def workdir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _run(recipe: str, workdir: Path, steps: int = 2, overrides=()):
-    run = smoke.prepare(RECIPES / f"{recipe}.yaml", workdir, steps=steps, rows=TASKS, overrides=list(overrides))
+def _run(recipe: str, workdir: Path, steps: int = 2, overrides=(), n: int | None = None):
+    run = smoke.prepare(RECIPES / f"{recipe}.yaml", workdir, steps=steps, rows=TASKS, n=n, overrides=list(overrides))
     rc, log, metrics = smoke.run(run, timeout=TIMEOUT)
     tail = "\n".join(log.splitlines()[-60:])
     assert rc == 0, f"main_ppo exited {rc}; last lines:\n{tail}"
@@ -124,3 +124,58 @@ def test_sokoban_sipo_tree_loop(workdir):
         # one tree per task (rollout.n=1): 2 initial chains + 1 x 2 forks = 4 leaves per task; rows = tree nodes
         _check_step(m, trajectories=None, exact_rows=False)
         assert m["agentcredit/steps"] >= TASKS * 4
+
+
+def test_sokoban_uniopsd_hindsight_scoring(workdir):
+    """UniOPSD on verl: after old_log_probs, the failed rollouts' response tokens are re-scored by the actor worker
+    group under the prompt with the first successful sibling's actions (agentcredit.verl.hindsight). The tiny model
+    never solves Sokoban in 3 steps, so a "successful peer" here is an episode without an invalid action
+    (``peer_success_threshold=-0.05`` on the return; penalised episodes return -0.1 per invalid step), and 4 sessions
+    per task make a group with both kinds likely in every step."""
+    sessions = 4
+    metrics, _ = _run("sokoban_uniopsd", workdir, n=sessions,
+                      overrides=["algorithm.uniopsd.peer_success_threshold=-0.05"])
+    taught = 0
+    for step in (1, 2):
+        m = metrics[step]
+        _check_step(m, trajectories=TASKS * sessions, nonzero_adv=False)
+        assert math.isfinite(m["agentcredit/adv_abs_mean"])
+        assert math.isfinite(m["critic/advantages/max"]) and math.isfinite(m["critic/advantages/min"])
+        rows = m["agentcredit/hindsight_rows"]
+        assert 0 <= rows <= m["agentcredit/steps"]
+        if rows:  # taught rows were re-scored under a longer prompt: their log-probs moved
+            assert m["agentcredit/hindsight_prefix_tokens"] > 0
+            assert m["agentcredit/hindsight_gap_abs_mean"] > 0
+            assert math.isfinite(m["agentcredit/hindsight_gap_abs_mean"])
+        taught += rows
+    assert taught > 0, {s: {k: v for k, v in m.items() if k.startswith("agentcredit/")} for s, m in metrics.items()}
+    # the step tier (invalid-action penalties) and the token modulation give non-zero credit, and the actor trains
+    assert any(metrics[s]["agentcredit/adv_abs_mean"] > 0 for s in (1, 2))
+    assert all(metrics[s]["actor/grad_norm"] > 0 for s in (1, 2) if metrics[s]["agentcredit/adv_abs_mean"] > 0)
+
+
+def test_sokoban_opw_teacher_scores_every_turn(workdir):
+    """On-policy distillation on every env step: ``sokoban_opw`` (OPW schedule, ``agentcredit_top1_ce``) with an
+    ``hfcpu`` teacher (``smoke.TINY_TEACHER``: the tiny model before priming, the student's tokenizer, other
+    weights). verl 0.9.1 alone scores only the last output of each agent-loop call; agentcredit's hook on
+    ``AgentLoopWorkerTQ._agent_loop_postprocess`` scores all of them, so every row of every step carries teacher
+    log-probs (``agentcredit_distill/teacher_rows`` = ``agentcredit/steps``). Without the hook the same run fails
+    at step 1's actor update (``KeyError: 'key "teacher_logprobs" not found in TensorDict'``: the micro-batch holds
+    rows without the field; measured 2026-12-04 by disabling the hook). ``warmup_steps=1``: step 1 is the OPD warm-up (w_opd 1, w_rl 0), step 2 GiGPO (w_opd 0, w_rl 1)."""
+    metrics, log = _run("sokoban_opw", workdir, overrides=["algorithm.agentcredit_distill.params.warmup_steps=1"])
+    assert "hfcpu teacher rollout server" in log
+    weights = {1: (1.0, 0.0), 2: (0.0, 1.0)}
+    for step in (1, 2):
+        m = metrics[step]
+        _check_step(m)
+        rows = m["agentcredit/steps"]
+        assert m["agentcredit_distill/rows"] == rows
+        assert m["agentcredit_distill/teacher_rows"] == rows, {k: v for k, v in m.items() if "distill" in k}
+        assert (m["agentcredit_distill/w_opd"], m["agentcredit_distill/w_rl"]) == weights[step]
+        shown = {k: v for k, v in m.items() if "distill" in k or k in ("agentcredit/steps", "actor/grad_norm")}
+        print(f"step {step}: {shown}")
+        # verl's update_actor metrics carry the "actor/" prefix in the step metrics
+        assert math.isfinite(m["actor/distillation/loss"]), shown
+        ce = m["actor/distillation/agentcredit_loss_unweighted"]
+        assert math.isfinite(ce) and ce > 0, shown  # teacher top-1 CE of a student that is not the teacher
+        assert math.isfinite(m["actor/grad_norm"]) and m["actor/grad_norm"] > 0, shown

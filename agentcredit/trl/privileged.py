@@ -35,20 +35,11 @@ import torch
 from credit_plugins import registry
 from credit_plugins.steptable import StepTable
 
+from agentcredit.hindsight import USER_MARKER, insert_prefix
+
 from .hindsight import choose_peers, last_action, peer_prefix
 
 __all__ = ["insert_prefix", "score_tokens", "hindsight_extras", "USER_MARKER"]
-
-USER_MARKER = "<|im_start|>user\n"
-
-
-def insert_prefix(prompt_text: str, prefix: str) -> str:
-    """``prompt_text`` with ``prefix`` at the start of its last user message (or in front when there is none)."""
-    i = prompt_text.rfind(USER_MARKER)
-    if i < 0:
-        return prefix + prompt_text
-    j = i + len(USER_MARKER)
-    return prompt_text[:j] + prefix + prompt_text[j:]
 
 
 @torch.no_grad()

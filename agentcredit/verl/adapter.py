@@ -18,6 +18,7 @@ import torch
 
 from credit_plugins.estimator import Estimator
 from .contract import RowMeta, build_step_table, missing_fields_message
+from .hindsight import COLUMNS as HINDSIGHT_COLUMNS, unsupported_message
 
 CURRENT: contextvars.ContextVar[RowMeta | None] = contextvars.ContextVar("agentcredit_row_meta", default=None)
 #: Stateful estimators (MVPO, ...) live for the trainer process: ``{name: (params, instance)}``. The trainer hooks
@@ -78,13 +79,13 @@ def estimator_params(config: Any, name: str) -> dict[str, Any]:
     return dict(sub)
 
 
-#: why the hindsight self-distillation estimators do not run on verl 0.9.1
-HINDSIGHT_ON_VERL = (
+#: why a hindsight estimator's batch has no hindsight columns (they are computed by the v1 trainer wrap only)
+HINDSIGHT_NOT_SCORED = (
     "agentcredit estimator {name!r} credits tokens by the policy's own log-probs under a hindsight prompt (a successful "
-    "sibling's actions), which must be computed after the whole group is rolled out and before the advantage; verl "
-    "0.9.1 has no such step: compute_advantage gets only rewards, masks and uids, the agent loops finish one session "
-    "at a time, and its teacher worker scores the same prompt with another model, on the last output of a loop only. "
-    "Use the TRL bridge (recipes/trl/minigrid_{name}.yaml), which scores hindsight prompts inside GRPOTrainer")
+    "sibling's actions): extras {missing} are computed by agentcredit's wrap of the v1 trainer's "
+    "PPOTrainer._compute_advantage (agentcredit.verl.hindsight) and are missing from this batch ({source}). Run the v1 "
+    "trainer (trainer.use_v1=True, verl's default) with agentcredit.verl loaded in the trainer process "
+    "(VERL_USE_EXTERNAL_MODULES=agentcredit.verl shows why not); the legacy trainer has no such step")
 
 
 def make_verl_estimator(estimator: Estimator):
@@ -94,11 +95,17 @@ def make_verl_estimator(estimator: Estimator):
                 config: Any = None, non_tensor_batch: Mapping[str, np.ndarray] | None = None, **_: Any):
         params = estimator_params(config, estimator.name)
         p = estimator.make_params(**params)  # fail on a typo before touching the batch
-        if "hindsight" in estimator.sources():
-            raise ValueError(HINDSIGHT_ON_VERL.format(name=estimator.name))
+        hindsight = "hindsight" in estimator.sources()
+        if hindsight:
+            message = unsupported_message(estimator)
+            if message is not None:
+                raise ValueError(message)
         meta = CURRENT.get()
         if meta is None and non_tensor_batch is not None:
             meta = RowMeta.from_non_tensor_batch(non_tensor_batch)
+        if hindsight and meta is not None and any(c not in meta.columns for c in HINDSIGHT_COLUMNS):
+            raise ValueError(HINDSIGHT_NOT_SCORED.format(name=estimator.name, source=meta.source, missing=[
+                c for c in HINDSIGHT_COLUMNS if c not in meta.columns]))
         if meta is None:
             raise ValueError(missing_fields_message(estimator.name, ["step_idx", "anchor_key", "traj_uid"]) +
                              " (no agentcredit metadata reached the estimator: is agentcredit.verl loaded in the "
@@ -117,19 +124,33 @@ def make_verl_estimator(estimator: Estimator):
             stats = getattr(est, "stats", None) or {}
         else:
             per_step = estimator(steps, **vars(p))
-        scores = torch.zeros(token_level_rewards.shape[0], dtype=torch.float32)
-        scores[torch.as_tensor(keep, dtype=torch.long)] = per_step
+        rows = torch.as_tensor(keep, dtype=torch.long)
+        if per_step.ndim == 2:  # token-level (UniOPSD): [S, L] over the right-padded response tokens of the rows
+            width = response_mask.shape[-1]
+            scores = torch.zeros(token_level_rewards.shape[0], width, dtype=torch.float32)
+            cols = min(width, per_step.shape[-1])
+            scores[rows, :cols] = per_step[:, :cols].to(torch.float32)
+        else:
+            scores = torch.zeros(token_level_rewards.shape[0], dtype=torch.float32)
+            scores[rows] = per_step
+        if per_step.ndim == 2:  # token level: the means run over the rows' response tokens only
+            weight = response_mask.detach().to("cpu", torch.float32)[rows]
+            values = scores[rows]
+        else:
+            weight, values = torch.ones_like(per_step, dtype=torch.float32), per_step.to(torch.float32)
+        total = float(weight.sum())
         meta.stats.update({
             "agentcredit/steps": float(steps.n_steps),
             "agentcredit/trajectories": float(steps.n_traj),
             "agentcredit/padding_rows": float(meta.is_padding.sum()),
-            "agentcredit/adv_mean": float(per_step.mean()) if steps.n_steps else 0.0,
-            "agentcredit/adv_abs_mean": float(per_step.abs().mean()) if steps.n_steps else 0.0,
+            "agentcredit/adv_mean": float((values * weight).sum()) / total if total else 0.0,
+            "agentcredit/adv_abs_mean": float((values.abs() * weight).sum()) / total if total else 0.0,
         })
         # a stateful estimator's statistics (MVPO's kappa and route fractions, SIPO's a2, ...), as TRL logs them
         meta.stats.update({f"agentcredit/{k}": float(v) for k, v in stats.items()
                            if isinstance(v, (int, float)) and v == v})
-        adv = scores.to(response_mask.device).unsqueeze(-1) * response_mask
+        scores = scores.to(response_mask.device)
+        adv = (scores if scores.ndim == 2 else scores.unsqueeze(-1)) * response_mask
         return adv, adv
 
     compute.__name__ = f"agentcredit_{estimator.name}"

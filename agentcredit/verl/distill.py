@@ -9,7 +9,28 @@ post-import hooks (``wrapt``); ``import distill_plugins`` never imports verl. Wh
 * ``verl.trainer.ppo.v1.trainer_base``: ``PPOTrainer._update_actor`` runs the loss scheduler once per step and
   writes the step and its weights into ``batch.extra_info`` (verl turns that into ``NonTensorData`` of every
   micro-batch the loss sees); ``_save_checkpoint`` / ``_load_checkpoint`` save and restore the scheduler state
-  (``agentcredit_distill_scheduler.pt`` in each ``global_step_N`` folder).
+  (``agentcredit_distill_scheduler.pt`` in each ``global_step_N`` folder);
+* ``verl.trainer.ppo.v1.agent_loop_tq``: ``AgentLoopWorkerTQ._agent_loop_postprocess`` scores every output of a
+  multi-output agent loop under the teacher, not only the last one (see "Every turn is scored" below).
+
+Every turn is scored: verl 0.9.1's ``AgentLoopWorkerTQ._agent_loop_postprocess(self, output, validate, **kwargs)``
+takes the list of ``AgentLoopOutput`` an agent loop returns (``agentcredit_env``: one per env step), puts each into
+the TransferQueue as its own row (``{uid}_{session}_{i}``), but calls ``self._compute_teacher_logprobs`` for
+``outputs[-1]`` only ("TODO: Support output:list[AgentLoopOutput]"), so with distillation on only the final step's
+row carries ``teacher_ids`` / ``teacher_logprobs``, and the actor update of a batch mixing both kinds of rows fails
+(``KeyError: 'key "teacher_logprobs" not found in TensorDict'``; a 2-step CPU run of ``sokoban_opw`` without this
+hook, 2026-12-04). The hook wraps that one method: before verl's own code runs,
+it calls verl's own ``self._compute_teacher_logprobs(output, prompt_ids, response_ids, validate, sample_kwargs)`` for
+each earlier output (concurrently; the teacher routing key, the validation skip and the teacher server are verl's),
+which writes the same two ``extra_fields`` verl's code writes for the last one; verl then scores the last output
+and stores every row as before. Why there: it is the only place that sees the whole list together with the sample's
+kwargs and runs before the rows are stored (wrapping ``_compute_teacher_logprobs`` sees one output; scoring later
+in the trainer would need a second teacher pass over TransferQueue rows and their multimodal data). The method is
+patched on both the plain class and the class Ray actually instantiates (``ActorClass.__ray_metadata__.
+modified_class``, on which Ray sets its own tracing wrapper of every method); the wrap travels inside the class that
+Ray pickles for the agent-loop worker process. The trainer hook reports the coverage per step:
+``agentcredit_distill/teacher_rows`` (rows whose response tokens carry teacher log-probs) and
+``agentcredit_distill/rows`` (non-padding rows of the batch).
 
 Registered loss modes (``distillation.distillation_loss.loss_mode``), each returning verl's per-token
 ``[bsz, resp_len]`` loss multiplied by the scheduler's ``w_opd``:
@@ -74,6 +95,7 @@ Keys written to ``batch.extra_info``: ``agentcredit_step`` (int), ``agentcredit_
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 from collections.abc import Mapping
@@ -83,7 +105,8 @@ import torch
 
 from distill_plugins import losses as L
 
-from ._compat import check_signature, checkpoint_wraps, install_post_import_hooks, wraps_once
+from ._compat import (SUPPORTED, VerlInternalsChanged, check_signature, checkpoint_wraps, install_post_import_hooks,
+                      wraps_once)
 
 logger = logging.getLogger("agentcredit")
 
@@ -456,10 +479,87 @@ def schedule_step(trainer, batch, metrics: dict, tq=None) -> dict[str, Any] | No
         _warn_once("estimator", "agentcredit: scheduler %r asks for estimator %r but loss_mode is %r", sched.name,
                    want, mode)
     metrics.update({f"agentcredit_distill/{k}": v for k, v in stats.items()})
+    if tq is not None:
+        metrics.update({f"agentcredit_distill/{k}": float(v) for k, v in teacher_coverage(tq, batch).items()})
     metrics.update({"agentcredit_distill/w_opd": float(out.w_opd), "agentcredit_distill/w_rl": float(out.w_rl),
                     "agentcredit_distill/step": float(step)})
     metrics.update({k if "/" in k else f"agentcredit_distill/{k}": float(v) for k, v in (out.logs or {}).items()})
     return {STEP_KEY: step, W_OPD_KEY: float(out.w_opd), W_RL_KEY: float(out.w_rl), PARAMS_KEY: params}
+
+
+def teacher_coverage(tq, batch) -> dict[str, int]:
+    """``{"teacher_rows", "rows"}`` of a v1 batch: non-padding rows whose response tokens carry finite, non-zero
+    teacher log-probs (verl pads a missing teacher with 0.0), and all non-padding rows."""
+    pad = [bool((t or {}).get("is_padding", False)) for t in batch.tags] if batch.tags is not None else None
+    rows = len(batch.keys) - (sum(pad) if pad else 0)
+    try:
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
+                               select_fields=["teacher_logprobs", "prompts", "responses"])
+        teacher, prompts, responses = data["teacher_logprobs"], data["prompts"], data["responses"]
+    except Exception as e:  # noqa: BLE001  (a metric never stops the step; bad teacher data fails in the loss)
+        _warn_once("coverage", "agentcredit: could not read the teacher log-probs of the batch for "
+                   "agentcredit_distill/teacher_rows: %r", e)
+        return {"teacher_rows": 0, "rows": rows}
+    per_row = teacher.unbind() if getattr(teacher, "is_nested", False) else list(teacher)
+    p_len = _lengths(prompts)
+    r_len = _lengths(responses)
+    scored = 0
+    for i, t in enumerate(per_row):
+        if pad and pad[i]:
+            continue
+        # verl's one-token shift: position j holds the log-prob(s) of token j + 1
+        t = t[p_len[i] - 1: p_len[i] - 1 + r_len[i]]
+        if t.numel() and bool(torch.isfinite(t).all()) and bool((t != 0).any()):
+            scored += 1
+    return {"teacher_rows": scored, "rows": rows}
+
+
+def _lengths(x) -> list[int]:
+    if getattr(x, "is_nested", False):
+        return [int(n) for n in x.offsets().diff()]
+    return [int(n) for n in x.shape[1:2]] * x.shape[0]
+
+
+# ---- every output of a multi-output agent loop goes to the teacher (see the module doc) -----------------------------
+async def score_earlier_outputs(worker, output, validate, kwargs: Mapping[str, Any]) -> int:
+    """Teacher log-probs for every output but the last (verl scores that one); returns how many were scored."""
+    if not getattr(worker, "distillation_enabled", False) or validate or not isinstance(output, list):
+        return 0
+    earlier = output[:-1]
+    if not earlier:
+        return 0
+    await asyncio.gather(*(worker._compute_teacher_logprobs(o, prompt_ids=o.prompt_ids, response_ids=o.response_ids,
+                                                            validate=validate, sample_kwargs=dict(kwargs))
+                           for o in earlier))
+    return len(earlier)
+
+
+@wraps_once("distill", "AgentLoopWorkerTQ._agent_loop_postprocess(self, output, validate, **kwargs)",
+            ("self", "output", "validate"))
+def wrap_agent_loop_postprocess(orig):
+    """``AgentLoopWorkerTQ._agent_loop_postprocess``: score the earlier outputs, then verl's code (the last one)."""
+
+    async def _agent_loop_postprocess(self, output, validate, **kwargs):
+        await score_earlier_outputs(self, output, validate, kwargs)
+        return await orig(self, output, validate, **kwargs)
+
+    return _agent_loop_postprocess
+
+
+def _patch_agent_loop_tq(module) -> None:
+    check_signature(getattr(module.AgentLoopWorker, "_compute_teacher_logprobs", None),
+                    "AgentLoopWorker._compute_teacher_logprobs(self, output, prompt_ids, response_ids, validate, "
+                    "sample_kwargs)", ("self", "output", "prompt_ids", "response_ids", "validate", "sample_kwargs"))
+    actor = module.AgentLoopWorkerTQ
+    meta = getattr(actor, "__ray_metadata__", None)
+    classes = [actor] if meta is None else [meta.modified_class, meta.modified_class.__ray_actor_class__]
+    name = "_agent_loop_postprocess"
+    if not any(name in cls.__dict__ for cls in classes):
+        raise VerlInternalsChanged(f"agentcredit: verl's AgentLoopWorkerTQ has no {name}; this bridge supports "
+                                   f"{SUPPORTED}")
+    for cls in classes:
+        if name in cls.__dict__:
+            setattr(cls, name, wrap_agent_loop_postprocess(cls.__dict__[name]))
 
 
 @wraps_once("distill", "PPOTrainer._update_actor(self, batch, metrics)", ("self", "batch", "metrics"))
@@ -504,6 +604,7 @@ def _patch_v1_trainer(module) -> None:
 TARGETS = {
     "verl.trainer.distillation.losses": register_losses,
     "verl.trainer.ppo.v1.trainer_base": _patch_v1_trainer,
+    "verl.trainer.ppo.v1.agent_loop_tq": _patch_agent_loop_tq,
 }
 
 

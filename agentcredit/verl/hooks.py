@@ -3,7 +3,9 @@
 * v1 trainer (``trainer.use_v1=True``, the default): ``PPOTrainer._compute_advantage(self, batch, metrics)`` fetches
   only 7 TransferQueue fields. The wrap also fetches each row's ``extra_fields`` (``tq.kv_batch_get(...,
   select_fields=["extra_fields"])``, the idiom verl itself uses in ``trainer_base.py``), reads the trajectory and
-  step from the row keys ``{uid}_{session}_{i}`` and padding from ``batch.tags``, and publishes them.
+  step from the row keys ``{uid}_{session}_{i}`` and padding from ``batch.tags``, and publishes them. For an
+  estimator that reads ``hindsight`` extras (UniOPSD) it first re-scores the failed rows under a successful
+  sibling's actions with the actor worker group's ``compute_log_prob`` (:mod:`agentcredit.verl.hindsight`).
 * v1 ``_save_checkpoint`` / ``_load_checkpoint``: the state of stateful estimators (MVPO's kappa schedule, ...)
   is saved as ``agentcredit_estimators.pt`` in each ``global_step_N`` folder and restored on resume (the folder
   verl resumed from; new checkpoints always go under ``default_local_dir``, also after ``resume_mode=resume_path``).
@@ -20,10 +22,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from credit_plugins import registry
+
 from . import adapter
 from ._compat import check_signature, checkpoint_wraps, install_post_import_hooks, wraps_once
 from .adapter import publish
 from .contract import RowMeta
+from .hindsight import add_hindsight_columns, needs_hindsight
 
 logger = logging.getLogger("agentcredit")
 OURS: set[str] = set()  # names whose verl registration points at our adapter
@@ -61,6 +66,11 @@ def wrap_v1_compute_advantage(orig):
         rows = data["extra_fields"]
         rows = rows.tolist() if hasattr(rows, "tolist") else list(rows)
         meta = RowMeta.from_v1(list(batch.keys), list(batch.tags) if batch.tags is not None else None, rows)
+        name = _name(self.config.algorithm.adv_estimator)
+        estimator = registry.get(name)
+        if needs_hindsight(estimator):  # UniOPSD: re-score failed rows under a successful sibling's actions
+            params = estimator.make_params(**adapter.estimator_params(self.config.algorithm, name))
+            add_hindsight_columns(self, batch, meta, estimator, params)
         with publish(meta):
             out = orig(self, batch, metrics)
         metrics.update(meta.stats)

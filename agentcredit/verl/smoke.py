@@ -105,10 +105,33 @@ def _resolve(path: str, recipe: Path) -> Path:
                             f"or the repository root)")
 
 
+#: the default teacher of a distillation smoke run (``agentcredit.models`` name): the unprimed tiny model
+TINY_TEACHER = "tiny-qwen2"
+
+
+def teacher_overrides(teacher: str, topk: int = 8) -> list[str]:
+    """The overrides a distillation recipe (``distillation.enabled: true``) needs on this backend: one ``hfcpu``
+    teacher replica (its own logical GPU slot: verl gives the teacher a resource pool of its own), ``teacher`` as its
+    model, a small top-K."""
+    return [
+        "distillation.n_gpus_per_node=1",
+        "distillation.nnodes=1",
+        f"distillation.distillation_loss.topk={topk}",
+        f"distillation.teacher_models.teacher_model.model_path={teacher}",
+        "distillation.teacher_models.teacher_model.num_replicas=1",
+        f"distillation.teacher_models.teacher_model.inference.name={ROLLOUT}",
+        "distillation.teacher_models.teacher_model.inference.tensor_model_parallel_size=1",
+    ]
+
+
 def prepare(recipe: str | os.PathLike, workdir: str | os.PathLike, *, steps: int = 2, model: str | None = None,
             rows: int = 2, n: int | None = None, response_length: int = 16, loop_options: Mapping | None = None,
-            overrides: Sequence[str] = ()) -> SmokeRun:
-    """Build the dataset, agent-loop file, model and command of a ``steps``-step CPU run of ``recipe``."""
+            overrides: Sequence[str] = (), teacher: str | None = None) -> SmokeRun:
+    """Build the dataset, agent-loop file, model and command of a ``steps``-step CPU run of ``recipe``.
+
+    A recipe with ``distillation.enabled: true`` gets a teacher served by ``hfcpu`` (:func:`teacher_overrides`):
+    ``teacher`` (a path or an ``agentcredit.models`` name), by default :data:`TINY_TEACHER`, the tiny model before
+    priming: the student's tokenizer, other weights (a plumbing teacher, not a good one)."""
     from agentcredit.models import resolve_model
 
     recipe = Path(recipe).resolve()
@@ -143,8 +166,16 @@ def prepare(recipe: str | os.PathLike, workdir: str | os.PathLike, *, steps: int
     model_path = resolve_model(model) if model else primed_tiny_model()
     if n is None:
         n = 1 if loop_name == "agentcredit_tree" else 2
+    cpu_overrides = list(CPU_OVERRIDES)
+    distill = []
+    if _get(cfg, "distillation.enabled", False):
+        # verl's teacher pool asks for a (logical) GPU slot of its own, and its bundle for more logical CPUs
+        cpu_overrides = [o.replace("num_gpus=1", "num_gpus=2").replace("num_cpus=8", "num_cpus=16")
+                         for o in cpu_overrides]
+        distill = teacher_overrides(resolve_model(teacher or TINY_TEACHER))
     run_overrides = [
-        *CPU_OVERRIDES,
+        *cpu_overrides,
+        *distill,
         f"hydra.run.dir={workdir / 'hydra'}",
         f"data.train_files={data_dir / 'train.parquet'}",
         f"data.val_files={data_dir / 'val.parquet'}",

@@ -14,7 +14,10 @@ metrics; :mod:`agentcredit.verl.smoke`). Everything goes through verl's own regi
 * a plain ``gloo`` process group: verl asks for ``"cpu:gloo,{device}:{backend}"``, i.e. ``cpu:gloo,cpu:gloo``, which
   torch rejects ("Duplicate device type cpu"); the worker's binding of ``initialize_global_process_group_ray`` gets
   ``backend="gloo"`` when the platform is ``cpu`` and no backend was given;
-* rollout backend ``hfcpu`` (``RolloutReplicaRegistry`` + verl's worker-side rollout table, :mod:`.rollout`).
+* rollout backend ``hfcpu`` (``RolloutReplicaRegistry`` + verl's worker-side rollout table, :mod:`.rollout`), also
+  as the on-policy-distillation teacher (``distillation.teacher_models.<key>.inference.name=hfcpu``): verl's
+  ``DistillationTeacherModelConfig._validate_topk_logprobs`` knows only vllm / sglang for a top-K teacher and gets
+  ``hfcpu`` accepted.
 
 :data:`CPU_OVERRIDES` lists the config a CPU run needs besides that (Ray's logical GPU slots, FSDP2, sdpa attention,
 no torch.compile, no remove-padding, fp32, one agent-loop worker); :mod:`agentcredit.verl.smoke` adds the small-run sizes.
@@ -68,6 +71,27 @@ def _register_fsdp_for_cpu(module) -> None:
                 EngineRegistry.register(model_type=model_type, backend=backend, device="cpu")(cls)
 
 
+@wraps_once("cpu", "DistillationTeacherModelConfig._validate_topk_logprobs(self, use_topk, topk)",
+            ("self", "use_topk", "topk"))
+def wrap_validate_topk_logprobs(orig):
+    """verl accepts a top-K teacher only on vllm / sglang; ``hfcpu`` computes any top-K per request (no engine-boot
+    cap such as vLLM's ``max_logprobs``), so it only needs ``topk`` to be set."""
+
+    def _validate_topk_logprobs(self, use_topk, topk):
+        if self.inference.name != ROLLOUT:
+            return orig(self, use_topk, topk)
+        if use_topk and topk is None:
+            raise ValueError("topk must be specified when use_topk is True.")
+        return None
+
+    return _validate_topk_logprobs
+
+
+def _patch_teacher_config(module) -> None:
+    cls = module.DistillationTeacherModelConfig
+    cls._validate_topk_logprobs = wrap_validate_topk_logprobs(cls.__dict__.get("_validate_topk_logprobs"))
+
+
 def _load_replica():
     from .rollout import HFCPUReplica
 
@@ -92,6 +116,7 @@ install_post_import_hooks({
     "verl.workers.engine.fsdp.transformer_impl": _register_fsdp_for_cpu,
     "verl.workers.rollout.replica": _register_replica,
     "verl.workers.rollout.base": _register_worker_rollout,
+    "verl.workers.config.distillation": _patch_teacher_config,
 }, "the CPU backend is incomplete")
 
 if os.environ.get("VERL_PLATFORM", "").strip().lower() != "cpu":

@@ -10,6 +10,9 @@ Three parts, as verl's own backends (vllm, sglang, trtllm) have them:
   ``TokenOutput`` with the token ids and their log-probs under ``log_softmax(logits / temperature)`` (what verl's
   trainer recomputes, so ``training/rollout_probs_diff_*`` measures weight sync); ``extra_fields["global_steps"]`` is
   the weight version. ``top_k`` / ``top_p`` restrict sampling only.
+* the distillation teacher: a replica with ``is_teacher_model`` (verl's ``TeacherModelManager`` builds it from
+  ``distillation.teacher_models.<key>.inference.name=hfcpu``) starts a server named ``..._teacher<suffix>`` that
+  answers verl's ``prompt_logprobs`` request (:func:`score_prompt`, vLLM's layout); it never gets weight updates.
 * :class:`HFCPUServerAdapter` (the worker side, ``_ROLLOUT_REGISTRY[("hfcpu", "async")]``): ``update_weights`` pushes
   the trainer's full tensors to the server after every step (``load_state_dict``; an unknown name is an error).
 
@@ -91,6 +94,31 @@ def sample_tokens(model, prompt_ids: list[int], max_tokens: int, temperature: fl
     return out_ids, out_lp, "length"
 
 
+def score_prompt(model, prompt_ids: list[int], num_logprobs: int) -> tuple[list[int], list[float], dict[str, Any]]:
+    """The teacher's answer to verl's ``prompt_logprobs`` request, in vLLM's layout (verl's
+    ``extract_prompt_logprobs``): ``extra["prompt_ids"]`` / ``extra["prompt_logprobs"]`` are ``[S, max(K, 1)]`` for
+    the ``S`` prompt tokens, row ``j`` the log-prob(s) of token ``j + 1`` given tokens ``0..j`` under
+    ``log_softmax(logits)`` (temperature 1): with ``K = 0`` the actual next token's, with ``K > 0`` the model's top-K
+    (ids and log-probs, by rank); the last row is vLLM's dummy ``0``. Also returns one greedy token after the prompt
+    (verl asks for ``max_tokens=1``) and its log-prob."""
+    k = int(num_logprobs)
+    with torch.no_grad():
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)  # [S, V]
+    nxt = ids[0, 1:]
+    if k == 0:
+        top_ids = nxt.unsqueeze(-1)
+        top_lp = logp[:-1].gather(-1, top_ids)
+    else:
+        top = torch.topk(logp[:-1], min(k, logp.shape[-1]), dim=-1)
+        top_ids, top_lp = top.indices, top.values
+    width = top_ids.shape[-1]
+    top_ids = torch.cat([top_ids, torch.zeros(1, width, dtype=top_ids.dtype)]).tolist()
+    top_lp = torch.cat([top_lp, torch.zeros(1, width, dtype=top_lp.dtype)]).tolist()
+    tok = int(torch.argmax(logp[-1]))
+    return [tok], [float(logp[-1, tok])], {"prompt_ids": top_ids, "prompt_logprobs": top_lp}
+
+
 class HFCPUServer:
     """One CPU generation server (a Ray actor; see the module doc)."""
 
@@ -122,6 +150,13 @@ class HFCPUServer:
         if image_data is not None or video_data is not None or kwargs.get("audio_data") is not None:
             raise NotImplementedError("the hfcpu rollout backend is text only")
         params = dict(sampling_params or {})
+        if params.get("prompt_logprobs") is not None:  # the distillation teacher's request (one forward pass)
+            async with self.lock:
+                ids, lps, extra = await asyncio.to_thread(score_prompt, self.model, list(prompt_ids),
+                                                          int(params["prompt_logprobs"]))
+            extra["global_steps"] = self.global_steps
+            return TokenOutput(token_ids=ids, log_probs=lps, stop_reason="length", num_preempted=0,
+                               extra_fields=extra)
         max_tokens = self._max_tokens(params, len(prompt_ids))
         want_logprobs = params.get("logprobs") not in (None, False)
         async with self.lock:

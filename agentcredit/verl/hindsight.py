@@ -1,0 +1,241 @@
+"""Hindsight scoring on verl 0.9.1: the policy's own log-probs of failed rollouts under a successful sibling's actions.
+
+UniOPSD (and AlignOPSD, see below) credit a failed trajectory's tokens by ``logp_teacher - logp_old``: how much more
+likely the *same* policy finds its sampled response tokens once the prompt also lists, as privileged text, the actions
+of the first successful rollout of its group. That needs the whole group rolled out, and one extra no-grad forward of
+the actor, before the advantage. verl 0.9.1 has no such step of its own, so it is done here, from the trainer step
+agentcredit already wraps.
+
+Which verl hook, and why
+------------------------
+:func:`agentcredit.verl.hooks.wrap_v1_compute_advantage` wraps ``PPOTrainer._compute_advantage(self, batch, metrics)``
+of the v1 trainer (``verl.trainer.ppo.v1.trainer_base``); when the estimator reads ``hindsight`` extras it calls
+:func:`add_hindsight_columns` before running verl's own ``_compute_advantage``. That point is the only one that has
+everything: all rows of every group are in the TransferQueue (rollouts, rewards, padding rows from batch balancing),
+``old_log_probs`` were just written by ``_compute_old_log_prob`` (step 4 of ``_step_once``; the advantage is step 7),
+the weights are still those that sampled (the actor update is step 9), and ``self.actor_rollout_wg`` is at hand.
+The agent loops cannot do it (they finish one session at a time) and verl's distillation teacher scores the *same*
+prompt with *another* model, on a loop's last output only.
+
+The extra forward is the one verl uses for ``old_log_probs``: ``self.actor_rollout_wg.compute_log_prob(KVBatchMeta)``
+(``ActorRolloutRefWorker.compute_log_prob`` -> ``TrainingWorker.infer_batch``, no grad, the rollout temperature,
+``calculate_entropy=False, compute_loss=False`` as ``_compute_ref_log_prob`` sets them). The hindsight rows are written
+to a private TransferQueue partition (:data:`PARTITION`, cleared in a ``finally``) the way verl's own batch balancing
+writes its synthetic padding rows (``verl.trainer.ppo.padding_utils``): a copy of the source row with ``prompts`` =
+the re-tokenised hindsight prompt, ``input_ids = prompts + responses`` (the same response tokens), a fresh
+``position_ids``; the worker reads them like any batch and writes ``log_probs`` back, which are cut to the response
+with verl's ``response_from_nested``. The batch is padded with repeats of its rows to a multiple of the actor's data-
+parallel size (the dispatch splits it evenly).
+
+What the estimator gets (:class:`~agentcredit.verl.contract.RowMeta` columns, one entry per batch row):
+
+* ``logp_old``: the row's ``old_log_probs`` (verl's own recomputation, float32 per response token);
+* ``logp_teacher``: the hindsight-prompt log-probs for taught rows, ``logp_old`` itself elsewhere (delta = 0);
+* ``response_mask``: the row's response mask (0/1).
+
+Peer choice and prompt text are :mod:`agentcredit.hindsight` (shared with TRL): a failed trajectory's peer is the
+first successful trajectory of its group (``success`` flag, or UniOPSD's ``peer_success_threshold`` on the return),
+its actions are the last ``<action>`` span of each of its decoded responses, and the privileged text goes at the start
+of the row's last user message (``<|im_start|>user\\n``). Step metrics: ``agentcredit/hindsight_rows`` (taught rows),
+``agentcredit/hindsight_taught_frac``, ``agentcredit/hindsight_gap_abs_mean`` (mean |logp_teacher - logp_old| over
+the taught rows' mask tokens), ``agentcredit/hindsight_prefix_tokens`` (mean prompt growth) and
+``agentcredit/hindsight_seconds``.
+
+Not supported: AlignOPSD (:data:`ALIGNOPSD_ON_VERL`): it also needs ``emb_teacher`` / ``emb_student``, pooled hidden
+states of the policy, which verl 0.9.1's actor worker does not return (``infer_batch`` gives ``log_probs`` and
+``entropy`` only); multimodal rows; the legacy trainer (``trainer.use_v1=False``).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from agentcredit.hindsight import insert_prefix, peer_prefixes
+from credit_plugins.estimator import Estimator
+
+from .contract import RowMeta, build_step_table
+
+__all__ = ["add_hindsight_columns", "needs_hindsight", "unsupported_message", "PARTITION", "COLUMNS",
+           "ALIGNOPSD_ON_VERL"]
+
+#: the TransferQueue partition the hindsight rows live in while the actor scores them
+PARTITION = "agentcredit_hindsight"
+#: the RowMeta columns this module adds
+COLUMNS = ("logp_old", "logp_teacher", "response_mask")
+#: hindsight extras verl 0.9.1's actor worker cannot produce
+HIDDEN_STATE_EXTRAS = ("emb_teacher", "emb_student")
+
+ALIGNOPSD_ON_VERL = (
+    "agentcredit estimator {name!r} needs the extras {missing} (the policy's last hidden states mean-pooled over the "
+    "response, under the student prompt and under the hindsight prompt); verl 0.9.1's actor worker "
+    "(ActorRolloutRefWorker.compute_log_prob -> TrainingWorker.infer_batch) returns only log_probs and entropy, so "
+    "agentcredit computes only logp_old / logp_teacher / response_mask on verl (agentcredit.verl.hindsight). Use the "
+    "TRL bridge (recipes/trl/minigrid_{name}.yaml), or uniopsd, which needs only those")
+
+
+def needs_hindsight(estimator: Estimator) -> bool:
+    """Whether the estimator needs extras that come from hindsight scoring (``mix``, which only *may* read them
+    through a part, is not scored)."""
+    return "hindsight" in estimator.sources()
+
+
+def unsupported_message(estimator: Estimator) -> str | None:
+    """Why the estimator cannot run on verl (a required hindsight extra verl cannot give), or None."""
+    missing = [e for e in estimator.extra_names(required=True) if e in HIDDEN_STATE_EXTRAS]
+    if not missing:
+        return None
+    return ALIGNOPSD_ON_VERL.format(name=estimator.name, missing=missing)
+
+
+def _rows(nested: Any) -> list[torch.Tensor]:
+    """The rows of a TransferQueue field (a jagged nested tensor, a padded tensor or a list) as 1-D tensors."""
+    if isinstance(nested, torch.Tensor):
+        return [r.reshape(-1) for r in nested.unbind(0)]
+    return [torch.as_tensor(r).reshape(-1) for r in nested]
+
+
+def _dp_size(trainer) -> int:
+    """The actor's data-parallel size, found as verl's ``_balance_batch`` finds it."""
+    wg = trainer.actor_rollout_wg
+    info = getattr(wg, "_dispatch_info", None)
+    if info is None:
+        return 1
+    if "actor" not in info:
+        info["actor"] = wg._query_dispatch_info("actor")
+    return max(info["actor"]) + 1
+
+
+def _hindsight_sample(source: Mapping[str, Any], prompt_ids: Sequence[int]) -> dict[str, Any]:
+    """A copy of one TransferQueue row with ``prompt_ids`` as its prompt and the same response tokens."""
+    from verl.trainer.ppo.padding_utils import build_padding_position_ids
+
+    sample = {k: (source[k].clone() if isinstance(source[k], torch.Tensor) else copy.deepcopy(source[k]))
+              for k in source.keys()}
+    if sample.get("multi_modal_inputs"):
+        raise ValueError("agentcredit hindsight scoring on verl supports text-only rows; this row has "
+                         "multi_modal_inputs")
+    prompts = torch.as_tensor(list(prompt_ids), dtype=torch.int64)
+    responses = torch.as_tensor(sample["responses"], dtype=torch.int64).reshape(-1)
+    input_ids = torch.cat([prompts, responses])
+    attention_mask = torch.ones_like(input_ids)
+    sample.update(prompts=prompts, input_ids=input_ids,
+                  position_ids=build_padding_position_ids(sample.get("position_ids"), attention_mask))
+    if "attention_mask" in sample:
+        sample["attention_mask"] = attention_mask
+    for key in ("teacher_ids", "teacher_logprobs", "routed_experts"):  # per-position fields of the old sequence
+        sample.pop(key, None)
+    return sample
+
+
+def score_prompts(trainer, batch, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Log-probs (float32, one 1-D tensor per row, over the response) of ``batch`` rows ``rows`` re-scored by the
+    actor worker group with ``prompts`` in place of their own prompts."""
+    import transfer_queue as tq
+    from transfer_queue import KVBatchMeta
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+    from verl.workers.utils.padding import response_from_nested
+
+    keys = [batch.keys[i] for i in rows]
+    source = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id)
+    samples = [_hindsight_sample(source[r], prompts[r]) for r in range(len(rows))]
+    tags = []
+    for r, i in enumerate(rows):
+        tag = dict(batch.tags[i]) if batch.tags is not None else {}
+        tag.update(prompt_len=len(prompts[r]), response_len=int(samples[r]["responses"].numel()),
+                   seq_len=int(samples[r]["input_ids"].numel()), is_padding=False)
+        tags.append(tag)
+    dp = _dp_size(trainer)
+    n = len(samples)
+    while len(samples) % dp:  # the dispatch splits the batch evenly over the data-parallel ranks
+        samples.append(copy.deepcopy(samples[len(samples) % n]))
+        tags.append(dict(tags[len(tags) % n]))
+    prefix = f"agentcreditHS{uuid.uuid4().hex}"
+    hs_keys = [f"{prefix}_{k}_0" for k in range(len(samples))]
+    for sample in samples:
+        sample["uid"] = prefix
+    tq.kv_batch_put(keys=hs_keys, partition_id=PARTITION, fields=list_of_dict_to_tensordict(samples), tags=tags)
+    try:
+        extra_info = dict(getattr(batch, "extra_info", None) or {})
+        extra_info.update(calculate_entropy=False, compute_loss=False,
+                          temperature=trainer.config.actor_rollout_ref.rollout.temperature)
+        meta = KVBatchMeta(keys=hs_keys, tags=tags, partition_id=PARTITION, extra_info=extra_info)
+        output = trainer.actor_rollout_wg.compute_log_prob(meta)
+        if output is not None and len(output) != len(hs_keys):
+            raise RuntimeError(f"agentcredit hindsight scoring: the actor returned {len(output)} rows for "
+                               f"{len(hs_keys)}")
+        data = tq.kv_batch_get(keys=hs_keys, partition_id=PARTITION, select_fields=["log_probs", "response_mask"])
+        logp = _rows(response_from_nested(data["log_probs"], data["response_mask"]))
+    finally:
+        tq.kv_clear(keys=hs_keys, partition_id=PARTITION)
+    return [lp.to(torch.float32) for lp in logp[:n]]
+
+
+def add_hindsight_columns(trainer, batch, meta: RowMeta, estimator: Estimator, params: Any) -> dict[str, float]:
+    """Compute ``logp_old`` / ``logp_teacher`` / ``response_mask`` for every row of the v1 ``batch`` (a
+    ``KVBatchMeta`` whose ``old_log_probs`` are in the TransferQueue) and put them in ``meta.columns``; returns the
+    step statistics (also merged into ``meta.stats``)."""
+    import transfer_queue as tq
+
+    started = time.perf_counter()
+    message = unsupported_message(estimator)
+    if message is not None:
+        raise ValueError(message)
+    keys = list(batch.keys)
+    data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id,
+                           select_fields=["rm_scores", "response_mask", "old_log_probs", "responses", "prompts"])
+    masks = _rows(data["response_mask"])
+    old = [lp.to(torch.float32) for lp in _rows(data["old_log_probs"])]
+    for i, (lp, m) in enumerate(zip(old, masks)):
+        if lp.numel() != m.numel():
+            raise ValueError(f"agentcredit hindsight scoring: row {keys[i]!r} has {lp.numel()} old_log_probs for "
+                             f"{m.numel()} response tokens")
+    score = torch.tensor([float(r.to(torch.float64).sum()) for r in _rows(data["rm_scores"])], dtype=torch.float64)
+    uid = [k.rsplit("_", 2)[0] for k in keys]
+    steps, keep = build_step_table(meta, score.unsqueeze(-1), uid, (), estimator.name)
+    tok = trainer.tokenizer
+    responses = _rows(data["responses"])
+    texts = tok.batch_decode([responses[int(i)][masks[int(i)].bool()].tolist() for i in keep],
+                             skip_special_tokens=True)
+    prefixes = peer_prefixes(steps, texts, success_threshold=getattr(params, "peer_success_threshold", None))
+    taught = [int(keep[j]) for j, p in enumerate(prefixes) if p]
+    prefix_of = {int(keep[j]): p for j, p in enumerate(prefixes) if p}
+    prompts_all = _rows(data["prompts"])
+    teacher = [lp.clone() for lp in old]
+    grown = 0
+    if taught:
+        new_prompts = []
+        for i in taught:
+            text = tok.decode(prompts_all[i].tolist(), skip_special_tokens=False)
+            ids = tok(insert_prefix(text, prefix_of[i]), add_special_tokens=False)["input_ids"]
+            grown += len(ids) - prompts_all[i].numel()
+            new_prompts.append(ids)
+        for i, lp in zip(taught, score_prompts(trainer, batch, taught, new_prompts)):
+            if lp.numel() != old[i].numel():
+                raise RuntimeError(f"agentcredit hindsight scoring: {lp.numel()} hindsight log-probs for "
+                                   f"{old[i].numel()} response tokens of row {keys[i]!r}")
+            teacher[i] = lp
+    gaps = [(teacher[i] - old[i]).abs()[masks[i].bool()] for i in taught]
+    bad = sum(int((~torch.isfinite(g)).sum()) for g in gaps)
+    if bad:
+        raise ValueError(f"hindsight scoring ({estimator.name}): the hindsight-prompt log-probs hold NaN/inf at {bad} "
+                         f"response token(s); train the actor in float32 or bf16 with a float32 head")
+    gap = torch.cat(gaps) if gaps else torch.zeros(0)
+    meta.columns["logp_old"] = [lp.numpy().astype(np.float64) for lp in old]
+    meta.columns["logp_teacher"] = [lp.numpy().astype(np.float64) for lp in teacher]
+    meta.columns["response_mask"] = [m.to(torch.int64).numpy() for m in masks]
+    stats = {
+        "agentcredit/hindsight_rows": float(len(taught)),
+        "agentcredit/hindsight_taught_frac": len(taught) / max(len(keep), 1),
+        "agentcredit/hindsight_gap_abs_mean": float(gap.mean()) if gap.numel() else 0.0,
+        "agentcredit/hindsight_prefix_tokens": grown / max(len(taught), 1),
+        "agentcredit/hindsight_seconds": time.perf_counter() - started,
+    }
+    meta.stats.update(stats)
+    return stats
