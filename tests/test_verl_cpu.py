@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 
 pytest.importorskip("verl")
 torch = pytest.importorskip("torch")
@@ -69,3 +70,16 @@ def test_parse_metrics_reads_verl_console_lines():
     assert sorted(steps) == [1, 2]
     assert steps[1]["agentcredit/steps"] == 12.0 and steps[1]["training/rollout_probs_diff_max"] == 2.7e-09
     assert steps[1]["critic/advantages/min"] == -0.1 and steps[2]["agentcredit/steps"] == 10.0
+
+
+def test_smoke_run_asks_the_env_loop_for_descriptors_when_the_estimator_reads_them(tmp_path):
+    """TJPO (or a mix with a TJPO part) reads the ``descriptor`` extra, which the env loop writes only when asked."""
+    base = {"algorithm": {"adv_estimator": "gigpo"}}
+    assert not smoke._reads_descriptors(base, [])
+    assert smoke._reads_descriptors(base, ["algorithm.adv_estimator=tjpo"])
+    assert smoke._reads_descriptors({"algorithm": {"adv_estimator": "mix", "mix": {"parts": {"tjpo": 0.5}}}}, [])
+    assert not smoke._reads_descriptors({"algorithm": {"adv_estimator": "mix", "mix": {"parts": {"tjpo": 0}}}}, [])
+    run = smoke.prepare("recipes/verl/sokoban_gigpo.yaml", tmp_path, overrides=["algorithm.adv_estimator=tjpo"],
+                        model="tiny-qwen2")
+    loops = yaml.safe_load((tmp_path / "agent_loops.yaml").read_text())
+    assert loops[0]["descriptors"] is True and "algorithm.adv_estimator=tjpo" in run.cmd

@@ -100,7 +100,9 @@ def missing_fields_message(estimator: str, missing: Sequence[str]) -> str:
     return (f"agentcredit estimator {estimator!r} needs per-step metadata that this verl batch does not carry: "
             f"set extra_fields {list(missing)} on every AgentLoopOutput (one output per step), e.g. "
             f"AgentLoopOutput(..., extra_fields={{'anchor_key': canonical_obs, 'step_idx': t, 'action_key': "
-            f"parsed_action}}). env_adapters' agent loop does this; see agentcredit.verl.contract")
+            f"parsed_action}}). env_adapters' agent loop does this; see agentcredit.verl.contract"
+            + ("; the agentcredit_env loop writes 'descriptor' (TJPO's trajectory descriptors) only with the "
+               "agent-loop option descriptors: true" if "descriptor" in missing else ""))
 
 
 #: extras that name another row by its ``traj_uid`` (a tree node's ``parent``; None = no such row)

@@ -124,6 +124,24 @@ def teacher_overrides(teacher: str, topk: int = 8) -> list[str]:
     ]
 
 
+def _reads_descriptors(cfg: Mapping, overrides: Sequence[str]) -> bool:
+    """Whether the run's estimator (the last ``algorithm.adv_estimator=`` override, else the recipe's) reads the
+    ``descriptor`` extra; a ``mix`` is judged by its parts only when the recipe lists them."""
+    import credit_plugins as cp
+
+    name = _get(cfg, "algorithm.adv_estimator", "gae")
+    for item in overrides:
+        key, _, value = str(item).lstrip("+").partition("=")
+        if key == "algorithm.adv_estimator":
+            name = value
+    if name not in cp.available():
+        return False
+    if name == "mix":
+        parts = _get(cfg, "algorithm.mix.parts", {}) or {}
+        return any(w and part in cp.available() and cp.get(part).reads("descriptor") for part, w in parts.items())
+    return cp.get(name).reads("descriptor")
+
+
 def prepare(recipe: str | os.PathLike, workdir: str | os.PathLike, *, steps: int = 2, model: str | None = None,
             rows: int = 2, n: int | None = None, response_length: int = 16, loop_options: Mapping | None = None,
             overrides: Sequence[str] = (), teacher: str | None = None) -> SmokeRun:
@@ -149,6 +167,8 @@ def prepare(recipe: str | os.PathLike, workdir: str | os.PathLike, *, steps: int
     if entry is None:
         raise ValueError(f"{loop_path} has no agent loop named {loop_name!r}")
     entry.update(SMOKE_LOOP_OPTIONS.get(loop_name, {"max_steps": 3}))
+    if loop_name == "agentcredit_env" and _reads_descriptors(cfg, overrides):
+        entry["descriptors"] = True  # TJPO's trajectory descriptors, written by the loop only when asked
     entry.update(dict(loop_options or {}))
     loop_file = workdir / "agent_loops.yaml"
     loop_file.write_text(yaml.safe_dump([entry], sort_keys=False))
