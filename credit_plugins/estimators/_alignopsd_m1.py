@@ -110,6 +110,9 @@ def mix64(z: torch.Tensor) -> torch.Tensor:
     return z
 
 
+KEY_BLOCK_ELEMS = 1 << 17  # entries per row block of content_key's hashing
+
+
 def content_key(values: torch.Tensor, salt: int) -> torch.Tensor:
     """[S] int64 hash of each row of ``values`` [S, F] (float64 bit patterns, -0.0 read as 0.0):
     ``mix64(sum_j mix64(bits_j + (j + 1) golden + salt))`` with wrapping sums. A function of the row's values
@@ -117,7 +120,13 @@ def content_key(values: torch.Tensor, salt: int) -> torch.Tensor:
     v = values.to(torch.float64) + 0.0
     bits = v.contiguous().view(torch.int64)
     cols = (torch.arange(1, v.shape[1] + 1, dtype=torch.int64) * _signed(_GOLDEN)) + _signed(salt)
-    return mix64(mix64(bits + cols).sum(-1))
+    n, step = bits.shape[0], max(1, KEY_BLOCK_ELEMS // max(bits.shape[1], 1))
+    if n <= step:
+        return mix64(mix64(bits + cols).sum(-1))
+    sums = torch.empty(n, dtype=torch.int64)
+    for i in range(0, n, step):  # row blocks that stay in cache; the wrapping sums are exact in any grouping
+        torch.sum(mix64(bits[i:i + step] + cols), -1, out=sums[i:i + step])
+    return mix64(sums)
 
 
 def row_content(steps: StepTable, emb_teacher: torch.Tensor, emb_student: torch.Tensor) -> torch.Tensor:
@@ -225,6 +234,29 @@ def exact_similarity(stu: list[torch.Tensor], tea: list[torch.Tensor]) -> torch.
     return h
 
 
+def level_operands(stu: list[torch.Tensor], tea: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The pieces of :func:`split_pieces` stacked for :func:`exact_similarity_levels`: the student's along ``D``
+    (``[G, C, SPLIT_PIECES D]``, pieces 1, 2, ...) and, per level ``L = 2 .. SPLIT_PIECES + 1``, the teacher's
+    pieces ``L - 1, L - 2, ..., 1`` along ``D``, transposed (``[G, (L - 1) D, M]``), so that the student prefix of
+    ``L - 1`` pieces times it is the sum over the level's pairs ``(i, L - i)``."""
+    n = len(stu)
+    levels = [(tea[0] if level == 2 else torch.cat([tea[level - 1 - i] for i in range(1, level)], -1)).transpose(1, 2)
+              for level in range(2, n + 2)]
+    return torch.cat(stu, -1), levels
+
+
+def exact_similarity_levels(stu_cat: torch.Tensor, tea_levels: list[torch.Tensor]) -> torch.Tensor:
+    """:func:`exact_similarity` from :func:`level_operands`, one matmul per level instead of one per pair. Each
+    level's sum (over ``d`` and over its pairs) is exact whatever the summation order (the same integer products,
+    below ``2^53``), and the levels are added in the same order, so the result is bit-equal to it."""
+    d = stu_cat.shape[-1] // len(tea_levels)
+    h = None
+    for n_pairs, t in enumerate(tea_levels, start=1):
+        acc = torch.bmm(stu_cat[..., :n_pairs * d], t)
+        h = acc if h is None else h.add_(acc)
+    return h
+
+
 DEFAULT_CHUNK_ELEMENTS = 1 << 21  # target x source entries per chunk (a few tens of MB of temporaries)
 BYTES_PER_ENTRY = 64  # rough peak bytes per [G, C, M] entry (H, B, profiles, logits, keys, indices, temporaries)
 MAX_BLOCK_BYTES = 4 << 30  # refuse a single chunk estimated above this many bytes
@@ -316,8 +348,7 @@ def _correspondence_block(blocks: TaskBlocks, teacher: torch.Tensor, t_ok: torch
 
     g, m = blocks.rows.shape
     chunk = chunk or chunk_rows(blocks)
-    tea = split_pieces(blocks.gather(teacher))
-    stu = split_pieces(blocks.gather(student))
+    stu_cat, tea_levels = level_operands(split_pieces(blocks.gather(student)), split_pieces(blocks.gather(teacher)))
     tok, sok = blocks.gather(t_ok, False), blocks.gather(s_ok, False)
     key_b = blocks.gather(key, 0)
     chosen = torch.full((g, m, k), -1, dtype=torch.int64)
@@ -328,7 +359,7 @@ def _correspondence_block(blocks: TaskBlocks, teacher: torch.Tensor, t_ok: torch
     for c0 in range(0, m, chunk):
         c1 = min(m, c0 + chunk)
         lo = max(c0 - 1, 0)  # one position of overlap: the predecessor of the chunk's first target
-        h = exact_similarity([x[:, lo:c1] for x in stu], tea)  # [G, C', M]
+        h = exact_similarity_levels(stu_cat[:, lo:c1], tea_levels)  # [G, C', M]
         b = (blocks.rollout[:, lo:c1, None] != blocks.rollout[:, None, :]) & sok[:, lo:c1, None] & tok[:, None, :]
         off = c0 - lo
         ch = select_block_sources(h[:, off:], b[:, off:], blocks, tau, k, key_b)

@@ -233,12 +233,12 @@ class AlignOPSDTerms:
 
 
 # ---- inputs --------------------------------------------------------------------------------------------------------
-def _float_block(steps: StepTable, name: str, ndim: int) -> torch.Tensor:
+def _float_block(steps: StepTable, name: str, ndim: int, convert: bool = True) -> torch.Tensor:
     x = steps.extra(name)
     if x.ndim != ndim or x.dtype == torch.bool or x.is_complex():
         raise ValueError(f"extras[{name!r}] has shape {tuple(x.shape)} and dtype {x.dtype}; give a float tensor of "
                          f"{ndim} dims (first dim S = {steps.n_steps})")
-    return x.to(torch.float64)
+    return x.to(torch.float64) if convert else x
 
 
 def _embeddings(steps: StepTable) -> tuple[torch.Tensor, torch.Tensor]:
@@ -292,7 +292,8 @@ def _sorted_src_as_input(steps: StepTable, src: torch.Tensor) -> torch.Tensor:
 
 
 def _cross_inputs(steps: StepTable, p: AlignOPSDParams, src: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
-    """``logp_cross`` [S, K, L] (float64, sorted rows) after checking ``cross_src`` against the selection."""
+    """``logp_cross`` [S, K, L] (as given, sorted rows; :func:`_aggregate_cross` reads it in float64, 0 on empty
+    slots and off mask) after checking ``cross_src`` against the selection and its finiteness where it is used."""
     have_lp, have_src = (steps.extra(name, None) is not None for name in ("logp_cross", "cross_src"))
     if not have_lp and not have_src:
         return None
@@ -301,7 +302,7 @@ def _cross_inputs(steps: StepTable, p: AlignOPSDParams, src: torch.Tensor, mask:
         raise ValueError(f"extras[{missing!r}] is missing; logp_cross [S, K, L] and cross_src [S, K] go together "
                          f"(pass both, or neither for ablation A)")
     s, length = mask.shape
-    lp = _float_block(steps, "logp_cross", 3)
+    lp = _float_block(steps, "logp_cross", 3, convert=False)
     if tuple(lp.shape) != (s, p.top_k, length):
         raise ValueError(f"extras['logp_cross'] has shape {tuple(lp.shape)}; expected [S, K, L] = "
                          f"{(s, p.top_k, length)} (K = top_k, L as response_mask)")
@@ -318,8 +319,31 @@ def _cross_inputs(steps: StepTable, p: AlignOPSDParams, src: torch.Tensor, mask:
                          f"cross teacher-forced passes for exactly the pairs select_sources returns, with the same "
                          f"embeddings and tau_sim/top_k")
     has = src >= 0
-    _check_finite(steps, "logp_cross", lp, has[:, :, None] & mask[:, None, :])
-    return torch.where(has[:, :, None] & mask[:, None, :], lp, 0.0)
+    for i, j in _row_blocks(s, p.top_k * length):  # row blocks: no [S, K, L] temporaries
+        if bool((has[i:j, :, None] & mask[i:j, None, :] & ~torch.isfinite(lp[i:j])).any()):
+            _check_finite(steps, "logp_cross", lp, has[:, :, None] & mask[:, None, :])  # names the count and row
+    return lp
+
+
+BLOCK_ELEMS = 1 << 18  # [S, K, L] entries per row block of the cross-score aggregation
+
+
+def _row_blocks(n_rows: int, width: int) -> list[tuple[int, int]]:
+    step = max(1, BLOCK_ELEMS // max(int(width), 1))
+    return [(i, min(i + step, n_rows)) for i in range(0, n_rows, step)]
+
+
+def _aggregate_cross(logp_cross: torch.Tensor, omega: torch.Tensor, has: torch.Tensor, lp_diag: torch.Tensor,
+                     mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """:func:`m1.aggregate_cross` of the given ``logp_cross`` (float64, 0 on empty slots and off mask), row block by
+    row block (every output row depends on its own row only, so the result is the same)."""
+    s, k, length = logp_cross.shape
+    out = torch.empty(s, length, dtype=torch.float64)
+    for i, j in _row_blocks(s, k * length):
+        h = has[i:j]
+        lp = torch.where(h[:, :, None] & mask[i:j, None, :], logp_cross[i:j].to(torch.float64), 0.0)
+        out[i:j] = m1.aggregate_cross(lp, omega[i:j], h, lp_diag[i:j], mode)
+    return out
 
 
 def _valid(steps: StepTable) -> torch.Tensor | None:
@@ -517,7 +541,7 @@ def alignopsd_terms(steps: StepTable, p: AlignOPSDParams) -> AlignOPSDTerms:
         alpha, cross = torch.zeros(steps.n_steps, dtype=torch.float64), lp_diag
     else:
         alpha = (p.alpha_max * rho).clamp(0.0, p.alpha_max)
-        cross = m1.aggregate_cross(logp_cross, omega, has, lp_diag, p.aggregation)
+        cross = _aggregate_cross(logp_cross, omega, has, lp_diag, mask, p.aggregation)
     lp_rect = m1.rectify(lp_diag, cross, alpha)
     gap = torch.where(mask, lp_rect - logp_old, 0.0)
 

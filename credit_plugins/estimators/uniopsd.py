@@ -173,9 +173,39 @@ def lambda_at(m: int, lam0: float, warmdown_steps: int) -> float:
 
 
 # ---- inputs ------------------------------------------------------------------------------------------------------
-def token_inputs(steps: StepTable) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validated ``(delta, mask)``: delta ``[S, L]`` float64 = logp_teacher - logp_old on mask tokens (0 off mask), mask
-    ``[S, L]`` bool; sorted order."""
+#: Token entries per block of the token passes (2 MB of float64): the [S, L] work runs block by block over rows, so
+#: its temporaries stay in cache and are reused instead of being fresh [S, L] allocations (page faults) per op.
+BLOCK_ELEMS = 1 << 18
+
+
+def row_blocks(n_rows: int, width: int) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]`` covering ``range(n_rows)`` in blocks of about :data:`BLOCK_ELEMS` entries."""
+    step = max(1, BLOCK_ELEMS // max(int(width), 1))
+    return [(i, min(i + step, n_rows)) for i in range(0, n_rows, step)]
+
+
+@dataclass
+class TokenRows:
+    """The token blocks reduced per row (sorted order): what the per-row pieces read from ``[S, L]``."""
+
+    delta: torch.Tensor      # [S, L] float64, 0 off mask
+    mask: torch.Tensor       # [S, L] bool
+    count: torch.Tensor      # [S] int64 mask tokens of the row
+    total: torch.Tensor      # [S] float64 sum_t delta
+    var: torch.Tensor        # [S] float64 within-row variance of delta (denominator max(L_k, 1))
+    abs_total: torch.Tensor  # [S] float64 sum_t |delta|
+
+
+def _bad_mask(mask: torch.Tensor) -> None:
+    bad = ~((mask == 0) | (mask == 1))
+    if bool(bad.any()):
+        raise ValueError(f"extras['response_mask'] has {int(bad.sum())} value(s) other than 0/1 (e.g. "
+                         f"{float(mask[bad][0])}); give 0/1 or bool, 1 on trainable response tokens")
+
+
+def token_rows(steps: StepTable) -> TokenRows:
+    """Validated token inputs and their per-row reductions, in one blocked pass over the ``[S, L]`` blocks:
+    delta = logp_teacher - logp_old (float64) on mask tokens, 0 off mask; see :func:`token_inputs`."""
     steps.require(*EXTRAS, by="estimator 'uniopsd'")
     logp_old, logp_teacher, mask = (steps.extra(name) for name in EXTRAS)
     if logp_old.ndim != 2:
@@ -186,24 +216,51 @@ def token_inputs(steps: StepTable) -> tuple[torch.Tensor, torch.Tensor]:
             raise ValueError(f"extras[{name!r}] has shape {tuple(x.shape)} but extras['logp_old'] has "
                              f"{tuple(logp_old.shape)}; logp_old, logp_teacher and response_mask must all be [S, L] over the "
                              f"same response tokens")
-    if mask.dtype != torch.bool:
-        if mask.is_complex():
-            raise ValueError("extras['response_mask'] is complex; give 0/1 or bool per token")
-        bad = ~((mask == 0) | (mask == 1))
-        if bool(bad.any()):
-            raise ValueError(f"extras['response_mask'] has {int(bad.sum())} value(s) other than 0/1 (e.g. "
-                             f"{float(mask[bad][0])}); give 0/1 or bool, 1 on trainable response tokens")
-        mask = mask == 1
-    delta = torch.where(mask, logp_teacher.to(torch.float64) - logp_old.to(torch.float64),
-                        torch.zeros((), dtype=torch.float64))
-    if bool(torch.isfinite(delta).all()):  # the common case, checked in one pass: both inputs finite on the mask
-        return delta, mask
-    for name, x in (("logp_old", logp_old), ("logp_teacher", logp_teacher)):
-        bad = mask & ~torch.isfinite(x)
-        if bool(bad.any()):
-            raise ValueError(f"extras[{name!r}] has {int(bad.sum())} NaN/inf value(s) on mask tokens; recompute the "
-                             f"log-probs in float32 (or mask those tokens out in response_mask)")
-    return delta, mask  # finite inputs whose difference overflows float64: check_output names them
+    if mask.dtype != torch.bool and mask.is_complex():
+        raise ValueError("extras['response_mask'] is complex; give 0/1 or bool per token")
+    S, L = logp_old.shape
+    f64 = torch.float64
+    given_mask = mask
+    mask = given_mask if given_mask.dtype == torch.bool else torch.empty(S, L, dtype=torch.bool)
+    delta = torch.empty(S, L, dtype=f64)
+    count = torch.empty(S, dtype=torch.int64)
+    total = torch.empty(S, dtype=f64)
+    var = torch.empty(S, dtype=f64)
+    abs_total = torch.empty(S, dtype=f64)
+    for i, j in row_blocks(S, L):
+        m = mask[i:j]
+        if given_mask.dtype != torch.bool:
+            torch.eq(given_mask[i:j], 1, out=m)
+        torch.sum(m, dim=1, out=count[i:j])
+        if given_mask.dtype != torch.bool and int(torch.count_nonzero(given_mask[i:j])) != int(count[i:j].sum()):
+            _bad_mask(given_mask)  # a value other than 0 and 1 (NaN included): the nonzero ones are not all 1
+        off = ~m
+        d = delta[i:j]
+        d.copy_(logp_teacher[i:j])
+        d.sub_(logp_old[i:j])                       # in float64, as logp_teacher.double() - logp_old.double()
+        d.masked_fill_(off, 0.0)
+        torch.sum(d, dim=1, out=total[i:j])
+        n_tok = count[i:j].to(f64).clamp(min=1.0)
+        dev = d - (total[i:j] / n_tok)[:, None]
+        dev.masked_fill_(off, 0.0)
+        var[i:j] = dev.pow_(2).sum(dim=1) / n_tok
+        torch.abs(d, out=dev)
+        torch.sum(dev, dim=1, out=abs_total[i:j])
+    if not bool(torch.isfinite(total).all()):  # a NaN/inf delta makes its row's sum non-finite
+        for name, x in (("logp_old", logp_old), ("logp_teacher", logp_teacher)):
+            bad = mask & ~torch.isfinite(x)
+            if bool(bad.any()):
+                raise ValueError(f"extras[{name!r}] has {int(bad.sum())} NaN/inf value(s) on mask tokens; recompute "
+                                 f"the log-probs in float32 (or mask those tokens out in response_mask)")
+        # finite inputs whose difference overflows float64 (or whose row sum does): check_output names them
+    return TokenRows(delta=delta, mask=mask, count=count, total=total, var=var, abs_total=abs_total)
+
+
+def token_inputs(steps: StepTable) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validated ``(delta, mask)``: delta ``[S, L]`` float64 = logp_teacher - logp_old on mask tokens (0 off mask), mask
+    ``[S, L]`` bool; sorted order."""
+    rows = token_rows(steps)
+    return rows.delta, rows.mask
 
 
 # ---- the per-batch pieces ------------------------------------------------------------------------------------
@@ -301,6 +358,7 @@ class UniOPSDTerms:
     m: int
     corr: float | None           # rho_m, None when not measurable
     w_raw: torch.Tensor | None = None  # [S, L] unclipped exp(sign(F) delta) (the saturation diagnostic)
+    token_counts: dict[str, float] | None = None  # the token sums of the diagnostics, taken in the blocked pass
 
 
 def initial_state(p: UniOPSDParams | None = None) -> dict[str, Any]:
@@ -309,8 +367,21 @@ def initial_state(p: UniOPSDParams | None = None) -> dict[str, Any]:
 
 def uniopsd_terms(steps: StepTable, p: UniOPSDParams, state: dict[str, Any]) -> tuple[UniOPSDTerms, dict[str, Any]]:
     """One batch from ``state``: the terms and the state after it."""
+    terms, new_state, _ = _batch(steps, p, state, want32=False)
+    return terms, new_state
+
+
+F32_SAFE = 0.99 * float(torch.finfo(torch.float32).max)  # |Ahat| bounds below this cast to finite float32
+
+
+def _batch(steps: StepTable, p: UniOPSDParams, state: dict[str, Any],
+           want32: bool) -> tuple[UniOPSDTerms, dict[str, Any], torch.Tensor | None]:
+    """:func:`uniopsd_terms`, and with ``want32`` the advantages as float32 in the rows' input order, written in the
+    token pass, when every one is finite there (None otherwise: the caller casts the float64 ones, and the check
+    names what overflowed)."""
     steps.require("state", by="estimator 'uniopsd'")
-    delta, mask = token_inputs(steps)
+    rows = token_rows(steps)
+    delta, mask = rows.delta, rows.mask
     anchor, n_anchor = steps.anchor
 
     # outcome tiers (GiGPO); A^S is 0 exactly where the anchor group has no return spread
@@ -321,10 +392,10 @@ def uniopsd_terms(steps: StepTable, p: UniOPSDParams, state: dict[str, Any]) -> 
     a_step = torch.where(constant, torch.zeros_like(a_step), a_step)
 
     # teacher step estimate, centred in the same anchor group and scale-matched on the taught rows
-    n_tok = mask.sum(dim=1).to(torch.float64).clamp(min=1.0)
-    dbar = delta.sum(dim=1) / n_tok
-    delta_var = (torch.where(mask, delta - dbar[:, None], 0.0) ** 2).sum(dim=1) / n_tok
-    taught = delta.abs().sum(dim=1) > 0
+    n_tok = rows.count.to(torch.float64).clamp(min=1.0)
+    dbar = rows.total / n_tok
+    delta_var = rows.var
+    taught = rows.abs_total > 0
     d = anchor_centred(dbar, anchor, n_anchor)
     scale = scale_match(a_step, d, taught, p.eps)
     a_opsd = scale * d
@@ -348,9 +419,19 @@ def uniopsd_terms(steps: StepTable, p: UniOPSDParams, state: dict[str, Any]) -> 
     # bounded token modulation
     m = int(state["step"]) + 1
     lam = lambda_at(m, p.lam0, p.warmdown_steps)
-    w_raw = torch.exp(torch.sign(fused)[:, None] * delta)
-    w = w_raw.clamp(1.0 - p.clip_eps, 1.0 + p.clip_eps)
-    advantage = torch.where(mask, a_episode[:, None] + fused[:, None] * ((1.0 - lam) + lam * w), 0.0)
+    n_mask = int(rows.count.sum())
+    out32 = dest = None
+    if want32 and delta.numel():
+        # |Ahat| <= |A^E| + |F| (1 + eps_w): below F32_SAFE every value casts to a finite float32
+        bound = float((a_episode.abs() + fused.abs() * (1.0 + p.clip_eps)).max())
+        if bound < F32_SAFE:
+            out32 = torch.empty(delta.shape, dtype=torch.float32)
+            order = steps.order
+            if not torch.equal(order, torch.arange(order.numel(), dtype=order.dtype)):
+                dest = order  # sorted row p is input row order[p]
+    advantage, token_counts = modulated_tokens(delta, mask, a_episode, fused, lam, p.clip_eps, n_mask, out32, dest)
+    token_counts.update(n_mask=float(n_mask), delta_sum=float(rows.total.sum()),
+                        delta_abs_sum=float(rows.abs_total.sum()))
 
     # the correlation EMA for the next batch
     corr = None
@@ -363,8 +444,41 @@ def uniopsd_terms(steps: StepTable, p: UniOPSDParams, state: dict[str, Any]) -> 
         new_state["n_prev"] = int(both.sum())
     terms = UniOPSDTerms(advantage=advantage, a_episode=a_episode, a_step=a_step, a_opsd=a_opsd, fused=fused, c=c,
                          taught=taught, has_step=has_step, both=both, z_s=z_s, z_o=z_o, delta=delta, mask=mask,
-                         scale=scale, rho_hat=rho_hat, c_star=cstar, lam=lam, m=m, corr=corr, w_raw=w_raw)
-    return terms, new_state
+                         scale=scale, rho_hat=rho_hat, c_star=cstar, lam=lam, m=m, corr=corr,
+                         token_counts=token_counts)
+    return terms, new_state, out32
+
+
+def modulated_tokens(delta: torch.Tensor, mask: torch.Tensor, a_episode: torch.Tensor, fused: torch.Tensor,
+                     lam: float, clip_eps: float, n_mask: int, out32: torch.Tensor | None = None,
+                     dest: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """``Ahat = A^E + F [(1 - lambda) + lambda clip(exp(sign(F) delta))]`` on mask tokens (0 elsewhere), [S, L]
+    float64, block by block over rows; with the mask-token counts of a saturated weight and of Ahat = 0 (``n_mask``:
+    the mask tokens). ``out32`` (optional, [S, L] float32) receives Ahat cast to float32, row ``p`` at row
+    ``dest[p]`` (the same rows when ``dest`` is None)."""
+    S, L = delta.shape
+    lo, hi = 1.0 - clip_eps, 1.0 + clip_eps
+    sign = torch.sign(fused)
+    advantage = torch.empty(S, L, dtype=torch.float64)
+    n_sat = n_nonzero = 0
+    for i, j in row_blocks(S, L):
+        m = mask[i:j]
+        a = advantage[i:j]
+        torch.mul(sign[i:j, None], delta[i:j], out=a)
+        a.exp_()                                                              # w_raw
+        if lo < hi:  # off the mask delta = 0, so w_raw = 1 lies inside (lo, hi): count over the whole block
+            n_sat += int(torch.count_nonzero(a <= lo)) + int(torch.count_nonzero(a >= hi))
+        else:
+            n_sat += int(torch.count_nonzero(((a <= lo).logical_or_(a >= hi)).logical_and_(m)))
+        a.clamp_(lo, hi).mul_(lam).add_(1.0 - lam).mul_(fused[i:j, None]).add_(a_episode[i:j, None])
+        a.masked_fill_(~m, 0.0)
+        n_nonzero += int(torch.count_nonzero(a))  # all on mask tokens: the rest are the dead ones
+        if out32 is not None:
+            if dest is None:
+                out32[i:j] = a
+            else:
+                out32.index_copy_(0, dest[i:j], a.to(torch.float32))
+    return advantage, {"n_saturated": float(n_sat), "n_dead": float(n_mask - n_nonzero)}
 
 
 def batch_stats(terms: UniOPSDTerms, p: UniOPSDParams, state: dict[str, Any]) -> dict[str, float]:
@@ -375,13 +489,18 @@ def batch_stats(terms: UniOPSDTerms, p: UniOPSDParams, state: dict[str, Any]) ->
     t = terms
     mask = t.mask
     both = t.both
-    n_mask = int(mask.sum())
+    counts = t.token_counts
+    if counts is None:  # terms built by hand: the token sums from the [S, L] blocks
+        w_raw = t.w_raw if t.w_raw is not None else torch.exp(torch.sign(t.fused)[:, None] * t.delta)
+        saturated = (w_raw <= 1.0 - p.clip_eps).logical_or_(w_raw >= 1.0 + p.clip_eps).logical_and_(mask)
+        counts = {"n_mask": float(mask.sum()), "n_saturated": float(saturated.sum()),
+                  "n_dead": float((t.advantage == 0).logical_and_(mask).sum()), "delta_sum": float(t.delta.sum()),
+                  "delta_abs_sum": float(t.delta.abs().sum())}
+    n_mask = int(counts["n_mask"])
 
     def per_token(total) -> float:  # mean over the mask tokens of a quantity summed over them
         return float(total) / n_mask if n_mask else 0.0
 
-    w_raw = t.w_raw if t.w_raw is not None else torch.exp(torch.sign(t.fused)[:, None] * t.delta)
-    saturated = (w_raw <= 1.0 - p.clip_eps).logical_or_(w_raw >= 1.0 + p.clip_eps).logical_and_(mask)
     stats = {
         "corr": t.corr if t.corr is not None else 0.0,
         "corr_measured": float(t.corr is not None),
@@ -390,12 +509,12 @@ def batch_stats(terms: UniOPSDTerms, p: UniOPSDParams, state: dict[str, Any]) ->
         "taught_frac": frac(t.taught),
         "c_mean": frac(t.c),
         "c_frac_mid": frac((t.c > 0.1) & (t.c < 0.9)),
-        "clip_saturation_frac": per_token(saturated.sum()),
-        "dead_token_frac": per_token((t.advantage == 0).logical_and_(mask).sum()),
+        "clip_saturation_frac": per_token(counts["n_saturated"]),
+        "dead_token_frac": per_token(counts["n_dead"]),
         "opsd_rescue_frac": frac((t.a_step == 0) & (t.fused != 0)),
         "opsd_scale": t.scale,
-        "teacher_kl": per_token(-t.delta.sum()),  # delta is 0 off the mask
-        "gap_abs_mean": per_token(t.delta.abs().sum()),
+        "teacher_kl": per_token(-counts["delta_sum"]),  # delta is 0 off the mask
+        "gap_abs_mean": per_token(counts["delta_abs_sum"]),
         "lambda": t.lam,
         "rho_hat": t.rho_hat,
         "c_star": t.c_star,
@@ -428,10 +547,12 @@ class UniOPSD(StatefulEstimator):
     def __call__(self, steps: StepTable) -> torch.Tensor:
         """Token advantages ``[S, L]`` float32 in the rows' input order; advances the state by one batch."""
         with torch.no_grad():
-            terms, new_state = uniopsd_terms(steps, self.params, self._state)
+            terms, new_state, out32 = _batch(steps, self.params, self._state, want32=True)
         self._state = new_state
         self.last_terms = terms
         self.stats = batch_stats(terms, self.params, new_state)
+        if out32 is not None:
+            return out32  # float32, cast in the token pass (every value finite there); the locked wrapper checks it
         return steps.to_input_order(terms.advantage)  # float64; the locked wrapper checks it and casts to float32
 
     def state_dict(self) -> dict[str, Any]:
