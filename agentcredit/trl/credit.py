@@ -62,6 +62,8 @@ from typing import Any
 import torch
 
 from credit_plugins import registry
+from credit_plugins.estimators.mix import reads_extra
+from credit_plugins.estimators.mvpo import default_signature
 from credit_plugins.hashing import stable_hash
 from credit_plugins.steptable import StepTable, list_block
 
@@ -281,6 +283,9 @@ class CreditMixin:
         """The StepTable of ``rows`` (all ranks'), with the rollout's extras and, for an estimator that reads
         ``hindsight`` extras, those (computed here, one process)."""
         extras = _row_extras([r.extras for r in rows], rank_offsets=[r.rank * TRAJ_STRIDE for r in rows])
+        if "signature" not in extras and reads_extra(self.credit, self.credit_params, "signature"):
+            # MVPO (or a mix with an MVPO part) and an env without a progress parser: state + depth bin (App. A.3)
+            extras["signature"] = [default_signature(r.state, r.t) for r in rows]
         steps = StepTable(group=[r.group for r in rows], traj=[r.traj for r in rows], t=[r.t for r in rows],
                           state=[r.state for r in rows], action=[r.action for r in rows],
                           reward=[r.reward for r in rows], success=[r.success for r in rows],

@@ -85,6 +85,7 @@ from verl.utils.profiler import simple_timer
 
 import env_adapters
 
+from credit_plugins.estimators.mvpo import default_signature
 from env_adapters.descriptors import DESCRIPTOR, step_descriptor
 from env_adapters.prompting import build_prompt, parse_action
 
@@ -101,8 +102,9 @@ _SERVER_KEYS = ("min_global_steps", "max_global_steps")
 
 def step_signature(anchor: str, t: int, width: int = 3) -> str:
     """MVPO's per-step ``signature`` (App. A.3) when the env has no coarser parser: the canonical state and the
-    depth bin ``width * (t // width)``, e.g. ``"<state>|d3"``."""
-    return f"{anchor}|d{(int(t) // width) * width}"
+    depth bin ``width * (t // width)``, e.g. ``"<state>|d3"`` (:func:`credit_plugins.estimators.mvpo.default_signature`,
+    shared with the TRL bridge)."""
+    return default_signature(anchor, t, width)
 
 
 def _sample_field(kwargs: Mapping[str, Any], name: str, default: Any = None) -> Any:

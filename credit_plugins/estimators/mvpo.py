@@ -190,6 +190,13 @@ def depth_bin(t, width: int = 3):
     return (t // width) * width
 
 
+def default_signature(state, t: int, width: int = 3) -> str:
+    """A step's ``signature`` when the env has no coarser progress parser (App. A.3's fallback): the canonical state
+    and the depth bin, ``"<state>|d<width * floor(t / width)>"``. The bridges' turn rollouts and agent loops use it
+    when a run's estimator reads ``signature`` and the env supplies none."""
+    return f"{state}|d{depth_bin(int(t), width)}"
+
+
 def kappa_schedule(success_ema: float, success_init: float, kappa_min: float, eps: float) -> float:
     """Eq. 20: ``g = clip((sbar - s_0) / (1 - s_0 + eps), 0, 1)``, ``kappa = clip(1 - g, kappa_min, 1)``."""
     g = min(max((success_ema - success_init) / (1.0 - success_init + eps), 0.0), 1.0)

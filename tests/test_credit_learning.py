@@ -1,0 +1,45 @@
+"""Smoke test of benchmarks/credit_learning.py --quick (SFT warm start, two estimators through TRL, aggregation)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytest.importorskip("trl")
+pytest.importorskip("transformers")
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("credit_learning", ROOT / "benchmarks" / "credit_learning.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_intervals():
+    cl = _load()
+    lo, hi = cl.wilson(5, 20)
+    assert 0.10 < lo < 0.12 and 0.46 < hi < 0.48   # 0.25 with n=20: [0.112, 0.469]
+    assert cl.t_interval([0.2]) == (0.2, 0.2)
+    lo, hi = cl.t_interval([0.1, 0.2, 0.3])
+    assert lo < 0.2 < hi and abs((lo + hi) / 2 - 0.2) < 1e-9
+
+
+@pytest.mark.slow
+def test_quick_run(tmp_path):
+    cl = _load()
+    out = tmp_path / "cl.json"
+    rc = cl.main(["--quick", "--workdir", str(tmp_path / "work"), "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert [r["method"] for r in res["table"]] == ["grpo", "gigpo"]
+    for r in res["table"]:
+        assert r["seeds"] == 1 and 0.0 <= r["mean_success"] <= 1.0
+        lo, hi = r["pooled_wilson95"]
+        assert 0.0 <= lo <= r["pooled"] <= hi <= 1.0
+    for run in res["runs"]:
+        assert run["n_episodes"] == 4 and run["steps"] == 1 and len(run["curve"]) == 1
+    assert res["warm_start"]["steps"] == 2
