@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from .base import LossScheduler, ScheduleOutput, SchedulerSpec, param
-from .tide import turn_disagreement
+from .tide import smoothed_improvement, turn_disagreement
 
 __all__ = ["SPEC", "RetireParams", "RetireSchedule"]
 
@@ -113,13 +113,7 @@ class RetireSchedule(LossScheduler):
             raise ValueError("scheduler 'retire' needs the teacher's success: schedule_params.teacher_success (e.g. "
                              "the teacher's held-out success) or metrics={'teacher_success'}")
         s = _success(metrics, batch)
-        m = g if state["k"] == 0 else p.mu * state["m_hist"][-1] + (1.0 - p.mu) * g
-        state["k"] += 1
-        state["m_hist"] = (state["m_hist"] + [m])[-p.window:]
-        improvement = None
-        if len(state["m_hist"]) >= p.window:
-            old = state["m_hist"][0]
-            improvement = (old - m) / max(old, p.eps)
+        m, improvement = smoothed_improvement(state, g, p.mu, p.window, p.eps)
         plateau = improvement is not None and improvement <= p.zeta
         target = s >= p.kappa * float(s_t)
         state["streak"] = state["streak"] + 1 if (plateau and target) else 0

@@ -41,7 +41,8 @@ import torch
 
 from .base import LossScheduler, ScheduleOutput, SchedulerSpec, param
 
-__all__ = ["TIDEParams", "TIDESchedule", "SPEC", "turn_disagreement", "tide_local_weights", "tide_advantage"]
+__all__ = ["TIDEParams", "TIDESchedule", "SPEC", "turn_disagreement", "tide_local_weights", "tide_advantage",
+           "smoothed_improvement"]
 
 
 def turn_disagreement(lp_teacher: torch.Tensor, lp_old: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor,
@@ -111,6 +112,19 @@ def tide_advantage(delta: torch.Tensor, mask: torch.Tensor, q: torch.Tensor, d_t
     return torch.where(m, a, torch.zeros_like(a)).float()
 
 
+def smoothed_improvement(state: dict, g: float, mu: float, window: int, eps: float) -> tuple[float, float | None]:
+    """One step of the smoothed-disagreement trend shared by TIDE and RetireOPD: ``m_k = G_k`` at the first step,
+    else ``mu m_(k-1) + (1 - mu) G_k``; ``I_k = (m_(k-W+1) - m_k) / max(m_(k-W+1), eps)`` once ``window`` values are
+    kept (None before). Updates ``state["k"]`` and ``state["m_hist"]`` (the last ``window`` values) in place."""
+    m = g if state["k"] == 0 else mu * state["m_hist"][-1] + (1.0 - mu) * g
+    state["k"] += 1
+    state["m_hist"] = (state["m_hist"] + [m])[-window:]
+    if len(state["m_hist"]) < window:
+        return m, None
+    old = state["m_hist"][0]
+    return m, (old - m) / max(old, eps)
+
+
 @dataclass(frozen=True)
 class TIDEParams:
     mu: float = param(0.9, "EMA factor of the batch disagreement: m_k = mu m_(k-1) + (1-mu) G_k")
@@ -166,15 +180,9 @@ class TIDESchedule(LossScheduler):
                              "'mask'} ([B, T], one row per turn) or metrics={'gap_abs_mean': G_k}")
         if not math.isfinite(g):
             raise ValueError(f"tide: the disagreement G_k is {g}")
-        m = g if state["k"] == 0 else p.mu * state["m_hist"][-1] + (1.0 - p.mu) * g
-        state["k"] += 1
-        state["m_hist"] = (state["m_hist"] + [m])[-p.window:]
-        improvement = None
-        if len(state["m_hist"]) >= p.window:
-            old = state["m_hist"][0]
-            improvement = (old - m) / max(old, p.eps)
-            if 0.0 < improvement <= p.zeta:
-                state["r"] = min(state["r"] + p.eta, 1.0)
+        m, improvement = smoothed_improvement(state, g, p.mu, p.window, p.eps)
+        if improvement is not None and 0.0 < improvement <= p.zeta:
+            state["r"] = min(state["r"] + p.eta, 1.0)
         lam, beta = self.weights(state["r"])
         tw = tw_rl = None
         if local is not None:
