@@ -11,8 +11,9 @@ import hashlib
 from collections.abc import Iterable
 
 import numpy as np
+import torch
 
-__all__ = ["stable_hash", "stable_hash_many", "RESERVED_KEYS"]
+__all__ = ["stable_hash", "stable_hash_many", "RESERVED_KEYS", "mix64", "signed64", "MASK64", "GOLDEN64"]
 
 #: Keys reserved for absorbing boundary nodes (success z+, failure z-). User keys may not take them.
 SUCCESS_KEY = np.int64(-(2**63))
@@ -72,3 +73,29 @@ def stable_hash_many(values: Iterable[object]) -> np.ndarray:
         else:
             out[i] = stable_hash(canonical_bytes(v))
     return out
+
+
+# ---- vectorised 64-bit mixing (splitmix64's finaliser) on int64 tensors ----------------------------------------
+MASK64 = (1 << 64) - 1
+GOLDEN64 = 0x9E3779B97F4A7C15
+_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def signed64(c: int) -> int:
+    """The unsigned 64-bit constant ``c`` as the signed int64 with the same bit pattern."""
+    c &= MASK64
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finaliser on int64 bit patterns (wrapping arithmetic), on a copy of ``z``: every output bit
+    depends on every input bit, so nearby keys land far apart."""
+    z = z.clone()
+    tmp = torch.empty_like(z)
+    for shift, mult in ((30, signed64(_MIX1)), (27, signed64(_MIX2)), (31, None)):
+        torch.bitwise_right_shift(z, shift, out=tmp)
+        tmp.bitwise_and_((1 << (64 - shift)) - 1)  # logical shift of the bit pattern
+        z.bitwise_xor_(tmp)
+        if mult is not None:
+            z.mul_(mult)
+    return z

@@ -322,14 +322,10 @@ def _trainer_config(name="gigpo", **params):
     return OmegaConf.create({"algorithm": dict(algo_config(name, **params)), "actor_rollout_ref": {"rollout": {"n": 2}}})
 
 
-def test_alignopsd_is_refused_on_verl_naming_the_embeddings_verls_worker_cannot_give():
-    with pytest.raises(ValueError, match=r"alignopsd.*emb_teacher.*compute_log_prob.*recipes/trl/minigrid_alignopsd"):
-        compute_advantage(legacy_batch(), adv_estimator="alignopsd", config=algo_config("alignopsd"))
-
-
-def test_uniopsd_without_hindsight_columns_says_they_come_from_the_v1_trainer_wrap():
-    with pytest.raises(ValueError, match=r"uniopsd.*hindsight prompt.*logp_old.*non_tensor_batch.*use_v1=True"):
-        compute_advantage(legacy_batch(), adv_estimator="uniopsd", config=algo_config("uniopsd"))
+@pytest.mark.parametrize("name", ["uniopsd", "alignopsd"])
+def test_hindsight_estimators_without_hindsight_columns_say_they_come_from_the_v1_trainer_wrap(name):
+    with pytest.raises(ValueError, match=rf"{name}.*hindsight prompt.*logp_old.*non_tensor_batch.*use_v1=True"):
+        compute_advantage(legacy_batch(), adv_estimator=name, config=algo_config(name))
 
 
 # ---- v1 hindsight scoring (UniOPSD): real TransferQueue, a stand-in actor worker group and tokenizer ----------
@@ -433,6 +429,59 @@ def test_v1_uniopsd_rescores_failed_rows_under_the_successful_siblings_actions(t
     got = torch.stack(list(adv.unbind(0))).double()
     assert torch.isfinite(got).all() and got.abs().sum() > 0
     assert torch.allclose(got, expected.double().reshape(got.shape), atol=1e-5)
+    adapter.INSTANCES.clear()
+
+
+def test_v1_alignopsd_scores_each_row_under_its_sources_teacher_prompts(transfer_queue):
+    """AlignOPSD on verl: the hindsight pass of UniOPSD, then the rows' thinking embedded in the trainer process
+    (agentcredit.thinking), AlignOPSD's own select_sources on them, and one more actor pass that scores each target's
+    response under its source's teacher prompt; the advantages are AlignOPSD's on a table built here by hand."""
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    from agentcredit.hindsight import PEER_HINDSIGHT_HEADER
+    from agentcredit.thinking import hashed_ngram_embedding
+    from agentcredit.verl import adapter
+    from credit_plugins.estimators import alignopsd
+
+    adapter.INSTANCES.clear()
+    keys = _write_rows(transfer_queue)
+    _put_old_log_probs(transfer_queue, keys)
+    group = _ActorGroup(transfer_queue)
+    config = _trainer_config("alignopsd")
+    config.actor_rollout_ref.rollout.temperature = 1.0
+    trainer = types.SimpleNamespace(config=config, tokenizer=_CharTokenizer(), actor_rollout_wg=group)
+    metrics = {}
+    batch = KVBatchMeta(partition_id="train", keys=list(keys), tags=[{"status": "success"}] * len(keys))
+    PPOTrainer._compute_advantage(trainer, batch, metrics=metrics)
+    adv = transfer_queue.kv_batch_get(keys=list(keys), partition_id="train", select_fields=["advantages"])["advantages"]
+
+    # embeddings of each row's decoded response (no <think> span: the whole response is the thinking)
+    texts = [RESPONSE_TEXT[10 + r[2]] * RESP_LEN for r in ROWS]
+    emb = hashed_ngram_embedding([[ord(c) for c in t] for t in texts]).double()
+    hindsight = PEER_HINDSIGHT_HEADER + "1. up\n2. left\n\nabc"   # a_1's teacher prompt; every other row: "abc"
+    prompt_len = [3, 3, len(hindsight), len(hindsight), 3, 3]
+    old = torch.full((len(ROWS), RESP_LEN), -0.5, dtype=torch.float64)
+    teacher = old.clone()
+    teacher[2:4] = torch.tensor(-0.001 * len(hindsight), dtype=torch.float32).double()
+    steps = cp.StepTable(group=[r[0] for r in ROWS], traj=[r[1] for r in ROWS], t=[r[2] for r in ROWS],
+                         reward=[r[5] if r[5] is not None else 0.0 for r in ROWS],
+                         extras={"logp_old": old, "logp_teacher": teacher, "response_mask": torch.ones(6, RESP_LEN),
+                                 "emb_teacher": emb, "emb_student": emb})
+    src, _ = alignopsd.select_sources(steps)
+    # same task, other rollout, the same turn's identical text wins: a_0 <-> a_1 per turn, b_0 <-> b_1
+    assert src[:, 0].tolist() == [2, 3, 0, 1, 5, 4] and (src[:, 1:] == -1).all()
+    assert len(group.calls) == 2 and metrics["agentcredit/hindsight_cross_pairs"] == 6
+    _, _, _, prompts, responses = group.calls[1]
+    assert [len(p) for p in prompts] == [prompt_len[s] for s in src[:, 0].tolist()]
+    assert responses == [[10 + r[2]] * RESP_LEN for r in ROWS]
+    cross = torch.zeros(len(ROWS), src.shape[1], RESP_LEN, dtype=torch.float64)
+    for target, source in enumerate(src[:, 0].tolist()):
+        cross[target, 0] = torch.tensor(-0.001 * prompt_len[source], dtype=torch.float32).double()
+    expected = cp.get("alignopsd")(steps.with_extras({"logp_cross": cross, "cross_src": src}))
+    got = torch.stack(list(adv.unbind(0))).double()
+    assert torch.isfinite(got).all() and got.abs().sum() > 0
+    assert torch.allclose(got, expected.double(), atol=1e-5)
     adapter.INSTANCES.clear()
 
 

@@ -154,6 +154,23 @@ def test_sokoban_uniopsd_hindsight_scoring(workdir):
     assert all(metrics[s]["actor/grad_norm"] > 0 for s in (1, 2) if metrics[s]["agentcredit/adv_abs_mean"] > 0)
 
 
+def test_sokoban_alignopsd_cross_scoring(workdir):
+    """AlignOPSD on verl (``sokoban_alignopsd``): after old_log_probs the trainer process embeds each turn's thinking
+    (agentcredit.thinking), AlignOPSD's select_sources picks each turn's source turns in the other rollouts of its
+    task, and the actor worker group scores every (target, source) pair's response under the source's teacher prompt
+    (agentcredit.verl.hindsight). The tiny model never solves a puzzle, so no row is taught (the success flag picks
+    peers); the cross passes still run: a turn's response under another turn's prompt."""
+    sessions = 4
+    metrics, _ = _run("sokoban_alignopsd", workdir, n=sessions)
+    for step in (1, 2):
+        m = metrics[step]
+        _check_step(m, trajectories=TASKS * sessions, nonzero_adv=True)
+        # each turn has at most top_k = 3 sources, one per other rollout of its task (4 sessions per task: 3 others)
+        assert 0 < m["agentcredit/hindsight_cross_pairs"] <= 3 * m["agentcredit/steps"]
+        assert math.isfinite(m["critic/advantages/max"]) and math.isfinite(m["critic/advantages/min"])
+        assert m["actor/grad_norm"] > 0
+
+
 def test_sokoban_opw_teacher_scores_every_turn(workdir):
     """On-policy distillation on every env step: ``sokoban_opw`` (OPW schedule, ``agentcredit_top1_ce``) with an
     ``hfcpu`` teacher (``smoke.TINY_TEACHER``: the tiny model before priming, the student's tokenizer, other

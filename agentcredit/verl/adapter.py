@@ -18,7 +18,7 @@ import torch
 
 from credit_plugins.estimator import Estimator
 from .contract import RowMeta, build_step_table, missing_fields_message
-from .hindsight import COLUMNS as HINDSIGHT_COLUMNS, unsupported_message
+from .hindsight import COLUMNS as HINDSIGHT_COLUMNS
 
 CURRENT: contextvars.ContextVar[RowMeta | None] = contextvars.ContextVar("agentcredit_row_meta", default=None)
 #: Stateful estimators (MVPO, ...) live for the trainer process: ``{name: (params, instance)}``. The trainer hooks
@@ -96,10 +96,6 @@ def make_verl_estimator(estimator: Estimator):
         params = estimator_params(config, estimator.name)
         p = estimator.make_params(**params)  # fail on a typo before touching the batch
         hindsight = "hindsight" in estimator.sources()
-        if hindsight:
-            message = unsupported_message(estimator)
-            if message is not None:
-                raise ValueError(message)
         meta = CURRENT.get()
         if meta is None and non_tensor_batch is not None:
             meta = RowMeta.from_non_tensor_batch(non_tensor_batch)

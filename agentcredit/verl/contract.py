@@ -113,11 +113,14 @@ def _extra_column(values: list[Any], name: str = "") -> Any:
     """A per-row list as a StepTable extras column: lists of numbers (milestones) become a 2-D array; an id column
     (:data:`ID_EXTRAS`) becomes the int64 keys the StepTable gives the named rows' ``traj`` (None: -1). Blocks of
     bools stay bool, of ints int64, anything else float64; rows of different lengths are right-padded with 0/False
-    (e.g. ASCT's tables in an env whose legal set varies: only the legal_mask columns are read)."""
+    (e.g. ASCT's tables in an env whose legal set varies: only the legal_mask columns are read). Arrays that all
+    have one shape are stacked as they are (pooled embeddings, AlignOPSD's ``[K, W]`` cross log-probs)."""
     if name in ID_EXTRAS:
         from credit_plugins.hashing import stable_hash
 
         return np.asarray([-1 if v is None else stable_hash(str(v)) for v in values], dtype=np.int64)
+    if values and all(isinstance(v, np.ndarray) for v in values) and len({v.shape for v in values}) == 1:
+        return np.stack(values)  # equal-shaped blocks (embeddings [D], AlignOPSD's logp_cross [K, W])
     if values and isinstance(values[0], (list, tuple, np.ndarray)):
         return list_block(values)
     return values

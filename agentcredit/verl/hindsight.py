@@ -41,9 +41,23 @@ of the row's last user message (``<|im_start|>user\\n``). Step metrics: ``agentc
 the taught rows' mask tokens), ``agentcredit/hindsight_prefix_tokens`` (mean prompt growth) and
 ``agentcredit/hindsight_seconds``.
 
-Not supported: AlignOPSD (:data:`ALIGNOPSD_ON_VERL`): it also needs ``emb_teacher`` / ``emb_student``, pooled hidden
-states of the policy, which verl 0.9.1's actor worker does not return (``infer_batch`` gives ``log_probs`` and
-``entropy`` only); multimodal rows; the legacy trainer (``trainer.use_v1=False``).
+AlignOPSD (the extras it adds to UniOPSD's, ``DISTILL.md`` §8):
+
+* ``emb_teacher`` / ``emb_student``: AlignOPSD compares the turns' *thinking*. The authors embed the thinking text
+  with a frozen encoder; verl 0.9.1's actor worker returns no hidden states (``infer_batch`` gives ``log_probs`` and
+  ``entropy`` only), so the trainer process embeds each row's sampled thinking text itself with
+  :func:`agentcredit.thinking.hashed_ngram_embedding` (a frozen feature-hashed n-gram encoder, no weights; see
+  :mod:`agentcredit.thinking` for what it can and cannot see); ``emb_teacher = emb_student`` on every row [R]. The
+  TRL bridge pools the policy's hidden states instead, so the two bridges' AlignOPSD credit differs where it depends
+  on the similarities;
+* ``logp_cross`` / ``cross_src``: the sources of each row are AlignOPSD's own
+  :func:`~credit_plugins.estimators.alignopsd.select_sources` on those embeddings; each (target, source) pair is one
+  more row of the same no-grad ``compute_log_prob`` pass: the target's response tokens under the source row's
+  teacher prompt (its hindsight prompt when it is taught, else its own prompt). ``logp_cross`` is ``[K, W]`` per
+  row (``W`` the longest response of the batch), 0 on empty slots.
+
+Step metric ``agentcredit/hindsight_cross_pairs``. Not supported: multimodal rows; the legacy trainer
+(``trainer.use_v1=False``).
 """
 
 from __future__ import annotations
@@ -58,40 +72,25 @@ import numpy as np
 import torch
 
 from agentcredit.hindsight import insert_prefix, peer_prefixes
+from agentcredit.thinking import hashed_ngram_embedding, thinking_text
 from credit_plugins.estimator import Estimator
 
 from .contract import RowMeta, build_step_table
 
-__all__ = ["add_hindsight_columns", "needs_hindsight", "unsupported_message", "PARTITION", "COLUMNS",
-           "ALIGNOPSD_ON_VERL"]
+__all__ = ["ALIGN_COLUMNS", "COLUMNS", "PARTITION", "add_hindsight_columns", "needs_hindsight", "score_prompts"]
 
 #: the TransferQueue partition the hindsight rows live in while the actor scores them
 PARTITION = "agentcredit_hindsight"
-#: the RowMeta columns this module adds
+#: the RowMeta columns this module adds for every hindsight estimator
 COLUMNS = ("logp_old", "logp_teacher", "response_mask")
-#: hindsight extras verl 0.9.1's actor worker cannot produce
-HIDDEN_STATE_EXTRAS = ("emb_teacher", "emb_student")
-
-ALIGNOPSD_ON_VERL = (
-    "agentcredit estimator {name!r} needs the extras {missing} (the policy's last hidden states mean-pooled over the "
-    "response, under the student prompt and under the hindsight prompt); verl 0.9.1's actor worker "
-    "(ActorRolloutRefWorker.compute_log_prob -> TrainingWorker.infer_batch) returns only log_probs and entropy, so "
-    "agentcredit computes only logp_old / logp_teacher / response_mask on verl (agentcredit.verl.hindsight). Use the "
-    "TRL bridge (recipes/trl/minigrid_{name}.yaml), or uniopsd, which needs only those")
+#: the RowMeta columns it adds for an estimator that reads them (AlignOPSD)
+ALIGN_COLUMNS = ("emb_teacher", "emb_student", "logp_cross", "cross_src")
 
 
 def needs_hindsight(estimator: Estimator) -> bool:
     """Whether the estimator needs extras that come from hindsight scoring (``mix``, which only *may* read them
     through a part, is not scored)."""
     return "hindsight" in estimator.sources()
-
-
-def unsupported_message(estimator: Estimator) -> str | None:
-    """Why the estimator cannot run on verl (a required hindsight extra verl cannot give), or None."""
-    missing = [e for e in estimator.extra_names(required=True) if e in HIDDEN_STATE_EXTRAS]
-    if not missing:
-        return None
-    return ALIGNOPSD_ON_VERL.format(name=estimator.name, missing=missing)
 
 
 def _rows(nested: Any) -> list[torch.Tensor]:
@@ -135,16 +134,19 @@ def _hindsight_sample(source: Mapping[str, Any], prompt_ids: Sequence[int]) -> d
 
 
 def score_prompts(trainer, batch, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-    """Log-probs (float32, one 1-D tensor per row, over the response) of ``batch`` rows ``rows`` re-scored by the
-    actor worker group with ``prompts`` in place of their own prompts."""
+    """Log-probs (float32, one 1-D tensor per entry, over the response) of ``batch`` rows ``rows`` re-scored by the
+    actor worker group with ``prompts`` in place of their own prompts (a row may appear more than once)."""
     import transfer_queue as tq
     from transfer_queue import KVBatchMeta
     from verl.utils.tensordict_utils import list_of_dict_to_tensordict
     from verl.workers.utils.padding import response_from_nested
 
-    keys = [batch.keys[i] for i in rows]
-    source = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id)
-    samples = [_hindsight_sample(source[r], prompts[r]) for r in range(len(rows))]
+    if len(rows) != len(prompts):
+        raise ValueError(f"score_prompts: {len(prompts)} prompts for {len(rows)} rows")
+    unique = sorted({int(i) for i in rows})  # a row may be scored under several prompts (AlignOPSD's sources)
+    at = {i: u for u, i in enumerate(unique)}
+    source = tq.kv_batch_get(keys=[batch.keys[i] for i in unique], partition_id=batch.partition_id)
+    samples = [_hindsight_sample(source[at[int(i)]], prompts[r]) for r, i in enumerate(rows)]
     tags = []
     for r, i in enumerate(rows):
         tag = dict(batch.tags[i]) if batch.tags is not None else {}
@@ -177,16 +179,39 @@ def score_prompts(trainer, batch, rows: Sequence[int], prompts: Sequence[Sequenc
     return [lp.to(torch.float32) for lp in logp[:n]]
 
 
+def _cross_columns(trainer, batch, steps, keep: np.ndarray, emb: torch.Tensor, teacher_prompts: list[list[int]],
+                   old: list[torch.Tensor], params: Any) -> tuple[list[np.ndarray], list[np.ndarray], int]:
+    """AlignOPSD's cross passes: ``logp_cross`` ``[K, W]`` and ``cross_src`` ``[K]`` per batch row, and the number of
+    (target, source) pairs scored."""
+    from credit_plugins.estimators import alignopsd
+
+    src, _ = alignopsd.select_sources(steps.with_extras({"emb_teacher": emb, "emb_student": emb}), params)
+    k_slots = src.shape[1]
+    width = max((old[int(i)].numel() for i in keep), default=0)
+    logp_cross = [np.zeros((k_slots, width), dtype=np.float64) for _ in old]
+    cross_src = [np.full(k_slots, -1, dtype=np.int64) for _ in old]
+    pairs = (src >= 0).nonzero().tolist()
+    if pairs:
+        targets = [int(keep[a]) for a, _ in pairs]
+        prompts = [teacher_prompts[int(keep[int(src[a, k])])] for a, k in pairs]
+        for (a, k), target, lp in zip(pairs, targets, score_prompts(trainer, batch, targets, prompts)):
+            if lp.numel() != old[target].numel():
+                raise RuntimeError(f"agentcredit cross scoring: {lp.numel()} log-probs for {old[target].numel()} "
+                                   f"response tokens of batch row {target}")
+            logp_cross[target][k, :lp.numel()] = lp.numpy()
+    for j, i in enumerate(keep):
+        cross_src[int(i)] = src[j].numpy().astype(np.int64)
+    return logp_cross, cross_src, len(pairs)
+
+
 def add_hindsight_columns(trainer, batch, meta: RowMeta, estimator: Estimator, params: Any) -> dict[str, float]:
-    """Compute ``logp_old`` / ``logp_teacher`` / ``response_mask`` for every row of the v1 ``batch`` (a
-    ``KVBatchMeta`` whose ``old_log_probs`` are in the TransferQueue) and put them in ``meta.columns``; returns the
-    step statistics (also merged into ``meta.stats``)."""
+    """Compute the hindsight extras the estimator reads for every row of the v1 ``batch`` (a ``KVBatchMeta`` whose
+    ``old_log_probs`` are in the TransferQueue): ``logp_old`` / ``logp_teacher`` / ``response_mask`` always, and
+    AlignOPSD's ``emb_teacher`` / ``emb_student`` / ``logp_cross`` / ``cross_src`` when it reads them; they go in
+    ``meta.columns``. Returns the step statistics (also merged into ``meta.stats``)."""
     import transfer_queue as tq
 
     started = time.perf_counter()
-    message = unsupported_message(estimator)
-    if message is not None:
-        raise ValueError(message)
     keys = list(batch.keys)
     data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id,
                            select_fields=["rm_scores", "response_mask", "old_log_probs", "responses", "prompts"])
@@ -206,17 +231,16 @@ def add_hindsight_columns(trainer, batch, meta: RowMeta, estimator: Estimator, p
     prefixes = peer_prefixes(steps, texts, success_threshold=getattr(params, "peer_success_threshold", None))
     taught = [int(keep[j]) for j, p in enumerate(prefixes) if p]
     prefix_of = {int(keep[j]): p for j, p in enumerate(prefixes) if p}
-    prompts_all = _rows(data["prompts"])
+    teacher_prompts = [p.tolist() for p in _rows(data["prompts"])]
     teacher = [lp.clone() for lp in old]
     grown = 0
     if taught:
-        new_prompts = []
         for i in taught:
-            text = tok.decode(prompts_all[i].tolist(), skip_special_tokens=False)
+            text = tok.decode(teacher_prompts[i], skip_special_tokens=False)
             ids = tok(insert_prefix(text, prefix_of[i]), add_special_tokens=False)["input_ids"]
-            grown += len(ids) - prompts_all[i].numel()
-            new_prompts.append(ids)
-        for i, lp in zip(taught, score_prompts(trainer, batch, taught, new_prompts)):
+            grown += len(ids) - len(teacher_prompts[i])
+            teacher_prompts[i] = ids
+        for i, lp in zip(taught, score_prompts(trainer, batch, taught, [teacher_prompts[i] for i in taught])):
             if lp.numel() != old[i].numel():
                 raise RuntimeError(f"agentcredit hindsight scoring: {lp.numel()} hindsight log-probs for "
                                    f"{old[i].numel()} response tokens of row {keys[i]!r}")
@@ -235,7 +259,18 @@ def add_hindsight_columns(trainer, batch, meta: RowMeta, estimator: Estimator, p
         "agentcredit/hindsight_taught_frac": len(taught) / max(len(keep), 1),
         "agentcredit/hindsight_gap_abs_mean": float(gap.mean()) if gap.numel() else 0.0,
         "agentcredit/hindsight_prefix_tokens": grown / max(len(taught), 1),
-        "agentcredit/hindsight_seconds": time.perf_counter() - started,
     }
+    if estimator.reads("emb_teacher") or estimator.reads("emb_student") or estimator.reads("logp_cross"):
+        thinking = [tok(thinking_text(t), add_special_tokens=False)["input_ids"] for t in texts]
+        emb = hashed_ngram_embedding(thinking)
+        rows = np.zeros((len(keys), emb.shape[1]), dtype=np.float64)
+        rows[keep] = emb.numpy()
+        meta.columns["emb_teacher"] = meta.columns["emb_student"] = list(rows)
+        if estimator.reads("logp_cross"):
+            logp_cross, cross_src, n_pairs = _cross_columns(trainer, batch, steps, keep, emb, teacher_prompts, old,
+                                                            params)
+            meta.columns["logp_cross"], meta.columns["cross_src"] = logp_cross, cross_src
+            stats["agentcredit/hindsight_cross_pairs"] = float(n_pairs)
+    stats["agentcredit/hindsight_seconds"] = time.perf_counter() - started
     meta.stats.update(stats)
     return stats

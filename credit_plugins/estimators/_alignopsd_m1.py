@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..hashing import GOLDEN64 as _GOLDEN, MASK64, mix64, signed64 as _signed  # noqa: F401
 from ..steptable import StepTable
 
 __all__ = ["TaskBlocks", "task_blocks", "unit_rows", "similarity_blocks", "eligibility_blocks", "select_block_sources",
@@ -82,32 +83,7 @@ def unit_rows(emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ---- content keys (tie-breaking that never looks at labels or row order) -------------------------------------------
-MASK64 = (1 << 64) - 1
-_M1, _M2, _GOLDEN = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0x9E3779B97F4A7C15
 TIE_SALT = 0x5EED_A11C  # salt of the source tie-break key (fixed, so select_sources does not depend on ``seed``)
-
-
-def _signed(c: int) -> int:
-    c &= MASK64
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-def _srl(z: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 bit patterns."""
-    return (z >> k) & ((1 << (64 - k)) - 1)
-
-
-def mix64(z: torch.Tensor) -> torch.Tensor:
-    """splitmix64 finaliser on int64 bit patterns (wrapping arithmetic); in place on one copy of ``z``."""
-    z = z.clone()
-    tmp = torch.empty_like(z)
-    for shift, mult in ((30, _signed(_M1)), (27, _signed(_M2)), (31, None)):
-        torch.bitwise_right_shift(z, shift, out=tmp)
-        tmp.bitwise_and_((1 << (64 - shift)) - 1)  # logical shift of the bit pattern
-        z.bitwise_xor_(tmp)
-        if mult is not None:
-            z.mul_(mult)
-    return z
 
 
 KEY_BLOCK_ELEMS = 1 << 17  # entries per row block of content_key's hashing

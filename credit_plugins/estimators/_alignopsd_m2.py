@@ -88,12 +88,13 @@ def random_priority(traj_key: torch.Tensor, width: int, seed: int) -> torch.Tens
     """``[N, width]`` float64 cut priorities in [0, 1) of ablation D: a seeded hash of each trajectory's content
     key and the cut position, so relabelling or reordering rollouts leaves every rollout's spans unchanged.
     ``u = top 53 bits of mix64(traj_key + mix64(seed * golden + (p + 1) * M2))``."""
-    from ._alignopsd_m1 import _GOLDEN, _M2, _signed, _srl, mix64
+    from ..hashing import GOLDEN64, mix64, signed64
 
     pos = torch.arange(width, dtype=torch.int64)
-    salt = mix64(torch.full((width,), _signed(seed * _GOLDEN), dtype=torch.int64) + (pos + 1) * _signed(_M2))
+    salt = mix64(torch.full((width,), signed64(seed * GOLDEN64), dtype=torch.int64)
+                 + (pos + 1) * signed64(0x94D049BB133111EB))
     z = mix64(traj_key[:, None] + salt[None, :])
-    return _srl(z, 11).to(torch.float64) * 2.0 ** -53
+    return ((z >> 11) & ((1 << 53) - 1)).to(torch.float64) * 2.0 ** -53  # the top 53 bits, read unsigned
 
 
 def segmentation_threshold(dist: torch.Tensor, valid: torch.Tensor, quantile: float, lo: float, hi: float) -> float:
