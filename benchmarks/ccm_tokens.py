@@ -1,8 +1,10 @@
-"""CCM's input-token saving on the demo task: memory-context prompts vs full-transcript prompts of the same turns.
+"""CCM's input-token saving: memory-context prompts vs full-transcript prompts of the same turns.
 
-    python -m benchmarks.ccm_tokens [--episodes 16] [--max-turns 8] [--model smollm2-135m-instruct] [key=value ...]
+    python -m benchmarks.ccm_tokens [--recipe recipes/trl/minigrid_gigpo.yaml] [--episodes 16] [--max-turns 8] \
+        [key=value ...]
+    python -m benchmarks.ccm_tokens --recipe recipes/trl/textworld_ccm.yaml --max-turns 12     # long transcripts
 
-Plays ``--episodes`` held-out seeds of the recipe's env (``recipes/trl/minigrid_gigpo.yaml``) with CCM's memory
+Plays ``--episodes`` held-out seeds of the recipe's env (default: the demo task) with CCM's memory
 rollout (:func:`agentcredit.trl.ccm.play_memory_episodes`): each prompt holds the task, the retained memory and the
 newest observation. For every turn it also renders the full-history prompt (the task and every past observation and
 action), which is what a transcript-keeping agent (and CCM's privileged teacher) reads. Prints the cumulative input
@@ -21,6 +23,7 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--recipe", default=None, help="a TRL recipe (default: recipes/trl/minigrid_gigpo.yaml)")
     parser.add_argument("--episodes", type=int, default=16)
     parser.add_argument("--max-turns", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -36,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from agentcredit.trl.ccm import play_memory_episodes, token_saving
 
     root = Path(__file__).resolve().parents[1]
-    recipe = load_recipe(str(root / "recipes" / "trl" / "minigrid_gigpo.yaml"), list(args.overrides))
+    recipe = load_recipe(args.recipe or str(root / "recipes" / "trl" / "minigrid_gigpo.yaml"), list(args.overrides))
     ac = recipe.agentcredit
     _, tok, model = train._load_model(recipe)
     lo = ac.eval.seeds[0] if ac.eval is not None else 20000

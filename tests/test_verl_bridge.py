@@ -485,6 +485,65 @@ def test_v1_alignopsd_scores_each_row_under_its_sources_teacher_prompts(transfer
     adapter.INSTANCES.clear()
 
 
+def test_v1_step_appends_its_rollouts_to_the_ross_archive(transfer_queue, tmp_path):
+    """``algorithm.agentcredit_archive``: each step's rollouts go to a JSONL archive in distill_plugins.ross's format
+    (what ``agentcredit ross`` reads), before the advantage; a second step appends."""
+    from distill_plugins.ross import LoopErasedSelector, build_examples, read_archive
+
+    from credit_plugins.hashing import stable_hash
+
+    keys = _write_rows(transfer_queue)
+    config = _trainer_config(step_weight=0.5)
+    config.algorithm.agentcredit_archive = str(tmp_path / "run" / "rollouts.jsonl")
+    trainer = types.SimpleNamespace(config=config, tokenizer=_CharTokenizer(), global_steps=3)
+    metrics = {}
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    batch = KVBatchMeta(partition_id="train", keys=list(keys), tags=[{"status": "success"}] * len(keys))
+    PPOTrainer._compute_advantage(trainer, batch, metrics=metrics)
+    assert metrics["agentcredit/archived_trajectories"] == 4
+    archived = list(read_archive(config.algorithm.agentcredit_archive))
+    by_traj = {a.extra["traj_uid"]: a for a in archived}
+    assert sorted(by_traj) == ["a_0", "a_1", "b_0", "b_1"]
+    a0 = by_traj["a_0"]
+    assert a0.source == "verl" and a0.step == 3 and a0.success and a0.extra["uid"] == "a"
+    assert [u.t for u in a0.turns] == [0, 1]
+    assert [u.prompt_ids for u in a0.turns] == [[1, 2, 3]] * 2
+    assert [u.completion_ids for u in a0.turns] == [[10] * RESP_LEN, [11] * RESP_LEN]
+    assert [u.response for u in a0.turns] == [RESPONSE_TEXT[10] * RESP_LEN, RESPONSE_TEXT[11] * RESP_LEN]
+    assert [u.state for u in a0.turns] == [stable_hash("s0"), stable_hash("s1")]
+    assert [u.action for u in a0.turns] == [stable_hash("go north"), stable_hash("take key")]
+    assert [u.reward for u in a0.turns] == [0.0, 10.0] and all(u.valid for u in a0.turns)
+    assert not by_traj["a_1"].success and not by_traj["b_0"].success
+    assert by_traj["a_0"].group == by_traj["a_1"].group != by_traj["b_0"].group == by_traj["b_1"].group
+    # ROSS's default selector supervises the successful rollout's loop-erased turns: a_0's two turns, in one
+    # teacher-forced sequence of the whole trajectory
+    (example,) = build_examples(archived, LoopErasedSelector())
+    assert example.input_ids == [1, 2, 3] + [10] * RESP_LEN + [1, 2, 3] + [11] * RESP_LEN
+    assert example.completion_mask == ([0] * 3 + [1] * RESP_LEN) * 2
+
+    PPOTrainer._compute_advantage(trainer, batch, metrics={})
+    assert len(list(read_archive(config.algorithm.agentcredit_archive))) == 8
+
+
+def test_ross_archive_needs_the_rows_anchor_keys(transfer_queue, tmp_path):
+    keys = _write_rows(transfer_queue, with_anchor=False)
+    config = _trainer_config("mt_grpo")  # an agentcredit estimator that needs no anchor itself
+    config.algorithm.agentcredit_archive = str(tmp_path / "rollouts.jsonl")
+    with pytest.raises(ValueError, match=r"agentcredit_archive.*anchor_key.*agentcredit_env"):
+        _run_v1_with(transfer_queue, keys, config)
+
+
+def _run_v1_with(tq, keys, config):
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    trainer = types.SimpleNamespace(config=config, tokenizer=_CharTokenizer(), global_steps=1)
+    batch = KVBatchMeta(partition_id="train", keys=list(keys), tags=[{"status": "success"}] * len(keys))
+    PPOTrainer._compute_advantage(trainer, batch, metrics={})
+
+
 @pytest.mark.parametrize("name", FLAT)
 def test_v1_wrap_gives_each_estimators_step_advantages(transfer_queue, name):
     from agentcredit.verl import adapter

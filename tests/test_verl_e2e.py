@@ -81,9 +81,20 @@ def _check_step(m: dict, *, trajectories: int | None = TASKS * SESSIONS, exact_r
 
 
 def test_sokoban_gigpo(workdir):
-    metrics, _ = _run("sokoban_gigpo", workdir)
+    """Also writes the ROSS archive (``+algorithm.agentcredit_archive``): every rollout of both steps, every turn with
+    its prompt and generated token ids, in the format ``agentcredit ross`` reads."""
+    from distill_plugins.ross import read_archive
+
+    archive = workdir / "rollouts.jsonl"
+    metrics, _ = _run("sokoban_gigpo", workdir, overrides=[f"+algorithm.agentcredit_archive={archive}"])
     for step in (1, 2):
         _check_step(metrics[step])
+        assert metrics[step]["agentcredit/archived_trajectories"] == metrics[step]["agentcredit/trajectories"]
+    archived = list(read_archive(archive))
+    assert [a.step for a in archived] == [1] * (TASKS * SESSIONS) + [2] * (TASKS * SESSIONS)
+    assert sum(len(a.turns) for a in archived if a.step == 1) == metrics[1]["agentcredit/steps"]
+    assert all(a.source == "verl" and a.turns[0].prompt_ids and a.turns[0].completion_ids for a in archived)
+    assert all(u.t == k for a in archived for k, u in enumerate(a.turns))
 
 
 def test_sokoban_graphhca(workdir):

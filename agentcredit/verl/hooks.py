@@ -4,8 +4,10 @@
   only 7 TransferQueue fields. The wrap also fetches each row's ``extra_fields`` (``tq.kv_batch_get(...,
   select_fields=["extra_fields"])``, the idiom verl itself uses in ``trainer_base.py``), reads the trajectory and
   step from the row keys ``{uid}_{session}_{i}`` and padding from ``batch.tags``, and publishes them. For an
-  estimator that reads ``hindsight`` extras (UniOPSD) it first re-scores the failed rows under a successful
-  sibling's actions with the actor worker group's ``compute_log_prob`` (:mod:`agentcredit.verl.hindsight`).
+  estimator that reads ``hindsight`` extras (UniOPSD, AlignOPSD) it first re-scores the failed rows under a
+  successful sibling's actions with the actor worker group's ``compute_log_prob`` (:mod:`agentcredit.verl.hindsight`);
+  with ``algorithm.agentcredit_archive`` set it appends the step's rollouts to that ROSS archive
+  (:mod:`agentcredit.verl.archive`).
 * v1 ``_save_checkpoint`` / ``_load_checkpoint``: the state of stateful estimators (MVPO's kappa schedule, ...)
   is saved as ``agentcredit_estimators.pt`` in each ``global_step_N`` folder and restored on resume (the folder
   verl resumed from; new checkpoints always go under ``default_local_dir``, also after ``resume_mode=resume_path``).
@@ -28,6 +30,7 @@ from . import adapter
 from ._compat import check_signature, checkpoint_wraps, install_post_import_hooks, wraps_once
 from .adapter import publish
 from .contract import RowMeta
+from .archive import archive_path, write_archive
 from .hindsight import add_hindsight_columns, needs_hindsight
 
 logger = logging.getLogger("agentcredit")
@@ -68,6 +71,9 @@ def wrap_v1_compute_advantage(orig):
         meta = RowMeta.from_v1(list(batch.keys), list(batch.tags) if batch.tags is not None else None, rows)
         name = _name(self.config.algorithm.adv_estimator)
         estimator = registry.get(name)
+        path = archive_path(self.config.algorithm)
+        if path is not None:  # ROSS: the step's rollouts, appended to the run's archive before any credit
+            meta.stats["agentcredit/archived_trajectories"] = float(write_archive(self, batch, meta, path))
         if needs_hindsight(estimator):  # UniOPSD: re-score failed rows under a successful sibling's actions
             params = estimator.make_params(**adapter.estimator_params(self.config.algorithm, name))
             add_hindsight_columns(self, batch, meta, estimator, params)
