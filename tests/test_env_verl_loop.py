@@ -84,9 +84,10 @@ class HFServer:
     """The one stand-in: ``LLMServerClient.generate``'s signature, backed by ``model.generate`` (or a script of
     action texts, tokenized, for episodes with valid actions)."""
 
-    def __init__(self, model, tokenizer, script=None):
+    def __init__(self, model, tokenizer, script=None, raw=False):
         self.model, self.tokenizer = model, tokenizer
         self.script = None if script is None else iter(script)
+        self.raw = raw  # script items are whole response texts, returned verbatim
         self.calls = []
 
     async def generate(self, request_id, *, prompt_ids, sampling_params, image_data=None, video_data=None,
@@ -99,7 +100,7 @@ class HFServer:
             action = next(self.script)
             if action == "":  # an empty generation
                 return TokenOutput(token_ids=[])
-            text = "I do not know" if action is None else format_action(action, think="scripted")
+            text = action if self.raw else "I do not know" if action is None else format_action(action, think="scripted")
             return TokenOutput(token_ids=self.tokenizer.encode(text, add_special_tokens=False) + [eos])
         temperature = float(sampling_params.get("temperature", 1.0))
         gen = dict(max_new_tokens=int(sampling_params.get("max_tokens", RESPONSE_LEN)), eos_token_id=eos,
@@ -205,6 +206,24 @@ def _rows(tq, uid, n_sessions):
                 raise AssertionError(f"row {key} has step_idx {ef[0]['step_idx']}")
         out[s] = rows
     return out
+
+
+def _rows_from_config_file(tq, tmp_path, name, options, servers, tok, uid, config=None, **fields):
+    """The stored rows of one group played by the loop that an agent-loop config file entry defines (``name``,
+    ``EnvAgentLoop`` on a 5x5 MiniGrid, plus the YAML lines ``options``), registered as ``AgentLoopWorker.__init__``
+    registers the entries of ``agent_loop_config_path``."""
+    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+
+    path = tmp_path / "agent_loops.yaml"
+    path.write_text(f"- name: {name}\n  _target_: agentcredit.verl.agent_loop.EnvAgentLoop\n  env_name: minigrid\n"
+                    f"  env_options: {{size: 5}}\n{options}")
+    for cfg in OmegaConf.load(path):
+        _agent_loop_registry[cfg.name] = cfg
+    try:
+        _rollout_group(config or _config(), servers, tok, uid=uid, agent_name=name, **fields)
+        return _rows(tq, uid, len(servers))
+    finally:
+        _agent_loop_registry.pop(name, None)
 
 
 def _bfs_plan(env, seed):
@@ -361,20 +380,10 @@ def test_scripted_valid_rollouts_give_step_level_advantages(transfer_queue, mode
 def test_agent_loop_config_file_options_and_an_empty_generation(transfer_queue, model_and_tokenizer, tmp_path):
     """The loop selected through rollout.agent.agent_loop_config_path (hydra _target_, options as constructor
     arguments), a sample with only a seed, and a server that returns no tokens."""
-    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
-
     model, tok = model_and_tokenizer
-    path = tmp_path / "agent_loops.yaml"
-    path.write_text("- name: minigrid_h0\n  _target_: agentcredit.verl.agent_loop.EnvAgentLoop\n  env_name: minigrid\n"
-                    "  env_options: {size: 5}\n  max_steps: 2\n  history_length: 0\n")
-    for cfg in OmegaConf.load(path):  # what AgentLoopWorker.__init__ does with agent_loop_config_path
-        _agent_loop_registry[cfg.name] = cfg
-    try:
-        servers = [HFServer(model, tok, ["", "turn right"])]
-        _rollout_group(_config(), servers, tok, uid="cfgfile", agent_name="minigrid_h0", seed=SEED)
-        rows = _rows(transfer_queue, "cfgfile", 1)
-    finally:
-        _agent_loop_registry.pop("minigrid_h0", None)
+    servers = [HFServer(model, tok, ["", "turn right"])]
+    rows = _rows_from_config_file(transfer_queue, tmp_path, "minigrid_h0", "  max_steps: 2\n  history_length: 0\n",
+                                  servers, tok, "cfgfile", seed=SEED)
     _check_contract(rows, max_steps=2)
     steps = rows[0]
     assert len(steps) == 2 and steps[-1]["extra"]["truncated"]  # max_steps from the config file
@@ -384,6 +393,54 @@ def test_agent_loop_config_file_options_and_an_empty_generation(transfer_queue, 
     env = env_adapters.make("minigrid", **ENV_OPTIONS)
     env.reset(SEED)
     assert steps[0]["extra"]["anchor_key"] == env.state_key()  # the sample's seed
+
+
+def test_memory_context_keeps_a_memory_instead_of_the_transcript(transfer_queue, model_and_tokenizer, tmp_path):
+    """CCM's ``context: memory`` (an agent-loop config file option): each prompt is task + retained memory + newest
+    observation with the reply pre-filled by ``<memory>``; a malformed memory keeps the previous one and costs -0.1;
+    the bridge logs the input saving over the full transcript."""
+    from env_adapters.memory_context import MEMORY_OPEN
+
+    model, tok = model_and_tokenizer
+    replies = ["goal ahead</memory><action>turn left</action>",   # well formed
+               "<action>turn right</action>",                     # malformed memory: "<memory><action>..."
+               "turned back</memory><action>turn left</action>"]
+    servers = [HFServer(model, tok, list(replies), raw=True), HFServer(model, tok, list(replies), raw=True)]
+    rows = _rows_from_config_file(transfer_queue, tmp_path, "minigrid_ccm", "  max_steps: 3\n  context: memory\n",
+                                  servers, tok, "ccm", seed=SEED)
+    _check_contract(rows, max_steps=3)
+    steps = rows[0]
+    assert [r["extra"]["memory_malformed"] for r in steps] == [False, True, False]
+    assert [r["extra"]["action_key"] for r in steps] == ["turn left", "turn right", "turn left"]
+    env = env_adapters.make("minigrid", **ENV_OPTIONS)
+    env.reset(SEED)
+    rewards = [env.step(a).reward for a in ("turn left", "turn right", "turn left")]
+    assert [r["extra"]["step_reward"] for r in steps] == pytest.approx([rewards[0], rewards[1] - 0.1, rewards[2]])
+    prompts = [tok.decode(c["prompt_ids"]) for c in servers[0].calls]
+    prefill = tok.encode(MEMORY_OPEN, add_special_tokens=False)
+    assert all(c["prompt_ids"][-len(prefill):] == prefill for c in servers[0].calls)
+    assert "Memory: (empty)" in prompts[0]
+    assert "Memory: goal ahead" in prompts[1] and "Memory: goal ahead" in prompts[2]  # kept after the malformed one
+    assert all("Prior to this step" not in p for p in prompts)                         # never the transcript
+    assert tok.decode(steps[0]["responses"], skip_special_tokens=True) == replies[0]  # "<memory>" is in the prompt
+    assert [r["extra"]["prompt_tokens"] for r in steps] == [len(c["prompt_ids"]) for c in servers[0].calls]
+    full, short = [r["extra"]["full_prompt_tokens"] for r in steps], [r["extra"]["prompt_tokens"] for r in steps]
+    assert full[2] > full[1] > full[0] and full[2] > short[2]  # the transcript grows, the memory prompt does not
+
+    keys = _keys(rows)
+    _, metrics = _run_advantage(transfer_queue, keys, [{"status": "success"}] * len(keys), _config())
+    every = [r["extra"] for s in sorted(rows) for r in rows[s]]
+    expected = 1 - sum(e["prompt_tokens"] for e in every) / sum(e["full_prompt_tokens"] for e in every)
+    assert metrics["agentcredit/ccm_input_saving"] == pytest.approx(expected)
+    assert metrics["agentcredit/ccm_malformed_memory"] == pytest.approx(2 / 6)
+
+
+def test_an_unknown_context_is_refused_naming_the_choices():
+    from agentcredit.verl.agent_loop import EnvAgentLoop
+
+    loop = EnvAgentLoop.__new__(EnvAgentLoop)
+    with pytest.raises(ValueError, match=r"context='summary'.*transcript.*memory"):
+        EnvAgentLoop.__init__(loop, context="summary")
 
 
 def test_verl_knows_the_agent_loop_by_name_through_the_entry_point():

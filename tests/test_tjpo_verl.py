@@ -11,7 +11,6 @@ pytest.importorskip("verl", reason="the [verl] extra is not installed")
 pytest.importorskip("minigrid", reason="the [envs] extra is not installed")
 
 import torch
-from omegaconf import OmegaConf
 
 import credit_plugins as cp
 import env_adapters
@@ -23,8 +22,7 @@ from tests.test_env_verl_loop import (  # noqa: F401  (fixtures model_dir, model
     _bfs_plan,
     _config,
     _keys,
-    _rollout_group,
-    _rows,
+    _rows_from_config_file,
     _run_advantage,
     model_and_tokenizer,
     model_dir,
@@ -36,26 +34,15 @@ pytestmark = pytest.mark.verl
 @pytest.mark.parametrize("estimator,params", [("tjpo", {"div_weight": 1.0}),
                                               ("mix", {"parts": {"grpo": 0.5, "tjpo": 0.5}})])
 def test_verl_loop_descriptors_reach_tjpo(transfer_queue, model_and_tokenizer, tmp_path, estimator, params):  # noqa: F811
-    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
-
     model, tok = model_and_tokenizer
-    path = tmp_path / "agent_loops.yaml"
-    path.write_text("- name: minigrid_desc\n  _target_: agentcredit.verl.agent_loop.EnvAgentLoop\n  env_name: minigrid\n"
-                    "  env_options: {size: 5}\n  max_steps: 4\n  descriptors: true\n")
-    for cfg in OmegaConf.load(path):
-        _agent_loop_registry[cfg.name] = cfg
     env = env_adapters.make("minigrid", **ENV_OPTIONS)
     plan = _bfs_plan(env, SEED)
-    uid = f"desc_{estimator}"
-    try:
-        servers = [HFServer(model, tok, plan), HFServer(model, tok, ["turn left"] * 4),
-                   HFServer(model, tok, ["turn right"] * 4)]
-        config = _config()
-        config.actor_rollout_ref.rollout.n = 3
-        _rollout_group(config, servers, tok, uid=uid, agent_name="minigrid_desc", seed=SEED)
-        rows = _rows(transfer_queue, uid, 3)
-    finally:
-        _agent_loop_registry.pop("minigrid_desc", None)
+    servers = [HFServer(model, tok, plan), HFServer(model, tok, ["turn left"] * 4),
+               HFServer(model, tok, ["turn right"] * 4)]
+    config = _config()
+    config.actor_rollout_ref.rollout.n = 3
+    rows = _rows_from_config_file(transfer_queue, tmp_path, "minigrid_desc", "  max_steps: 4\n  descriptors: true\n",
+                                  servers, tok, f"desc_{estimator}", config=config, seed=SEED)
     # each row carries the descriptor of its decision state and action
     for steps in rows.values():
         env.reset(SEED)

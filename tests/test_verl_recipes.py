@@ -81,13 +81,15 @@ def _loop_of(name: str) -> tuple[str, str, int]:
 
 #: distillation recipes: the schedule their name ends with, and the estimator of their RL term
 DISTILL_RECIPES = {"opw": "gigpo"}
+#: recipes named by a method that is not their estimator: the distillation ones and CCM's memory context (GRPO)
+ESTIMATOR_OF = {**DISTILL_RECIPES, "ccm": "gigpo"}
 #: agentcredit's distillation block: a raw extra key of ``algorithm`` (verl never turns it into a dataclass)
 DISTILL_BLOCK = "algorithm.agentcredit_distill"
 
 
 def _expected_estimator(name: str) -> str:
     suffix = name.rsplit("_", 1)[1]
-    return DISTILL_RECIPES.get(suffix, suffix)
+    return ESTIMATOR_OF.get(suffix, suffix)
 
 
 def _env_of(name: str) -> str:

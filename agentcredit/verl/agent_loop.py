@@ -18,6 +18,7 @@ registry and hydra imports the ``_target_``; the extra keys become the construct
     #   env_options: {size: 5}
     #   max_steps: 8
     #   history_length: 2
+    #   context: transcript                # or memory (CCM, below)
 
 or by name with the default options: the ``verl.plugins`` entry point :mod:`agentcredit.verl` imports this
 module as soon as verl's agent-loop module is imported (``VERL_USE_EXTERNAL_MODULES=agentcredit.verl.agent_loop`` does the
@@ -69,6 +70,17 @@ the **episode return** ``sum_t r_t`` (so an outcome estimator such as verl's ``g
 score, and a step-level one, which reads ``step_reward``, see the same total); verl's ``AgentLoopWorkerTQ`` copies
 it to the earlier outputs. Rows are stored under ``{uid}_{session_id}_{t}``.
 
+CCM's memory context (``context: memory``; ``DISTILL.md`` §9, :mod:`env_adapters.memory_context`): each prompt holds
+only the task, the retained memory and the newest observation (``MemoryTrack.student_prompt``, never the transcript;
+``history_length`` is not used), and the assistant reply is pre-filled with ``<memory>`` (those tokens end the
+prompt, so they are not trained); the model writes ``notes</memory><action>a</action>``. A malformed memory block
+keeps the previous memory and adds the invalid penalty (-0.1) to ``step_reward``; the action is still played. As in
+the TRL memory rollout (:mod:`agentcredit.trl.ccm`). Each row then also carries ``memory_malformed`` (bool),
+``prompt_tokens`` (its prompt's length) and ``full_prompt_tokens`` (the length the full-history prompt of the same
+turn would have, counted with the tokenizer's chat template and never capped), from which the credit bridge logs ``agentcredit/ccm_input_saving``
+(``1 - sum prompt_tokens / sum full_prompt_tokens``). Not on verl yet: CCM's privileged full-history distillation
+(the frozen initial model scoring the actions under the full history): use the TRL bridge for it.
+
 Not supported: multimodal observations, rollout tracing (``rollout_trace_op``), teacher logprobs for rows other
 than the final one (verl 0.9.1 computes them only for the final output).
 """
@@ -87,6 +99,7 @@ import env_adapters
 
 from credit_plugins.estimators.mvpo import default_signature
 from env_adapters.descriptors import DESCRIPTOR, step_descriptor
+from env_adapters.memory_context import MEMORY_OPEN, MemoryTrack
 from env_adapters.prompting import build_prompt, parse_action
 
 __all__ = ["EnvAgentLoop", "AGENT_NAME", "SAMPLE_FIELDS"]
@@ -135,10 +148,18 @@ class EnvAgentLoop(AgentLoopBase):
         max_steps: step limit when a sample has no ``max_steps`` field.
         history_length: past (observation, action) steps shown in each prompt.
         descriptors: attach the ``descriptor`` extra field of every step (TJPO; :mod:`env_adapters.descriptors`).
+        context: ``"transcript"`` (the last ``history_length`` steps in each prompt) or ``"memory"`` (CCM: task,
+            retained memory and newest observation; see the module docstring).
     """
 
+    CONTEXTS = ("transcript", "memory")
+
     def __init__(self, *args, env_name: str = "minigrid", env_options: Mapping[str, Any] | None = None,
-                 max_steps: int = 8, history_length: int = 2, descriptors: bool = False, **kwargs):
+                 max_steps: int = 8, history_length: int = 2, descriptors: bool = False, context: str = "transcript",
+                 **kwargs):
+        if context not in self.CONTEXTS:
+            raise ValueError(f"context={context!r}; use one of {list(self.CONTEXTS)} (memory: CCM's short memory "
+                             f"instead of the transcript)")
         kwargs.pop("tools", None)  # verl passes its tool list to every loop; an env loop has no tools
         kwargs.pop("name", None)   # the 'name' key of an agent_loop_config_path entry
         super().__init__(*args, **kwargs)
@@ -149,6 +170,7 @@ class EnvAgentLoop(AgentLoopBase):
         self.descriptors = bool(descriptors)  # TJPO's per-step ``descriptor`` extra field (env_adapters.descriptors)
         if self.max_steps < 1:
             raise ValueError(f"max_steps={self.max_steps}; an episode needs at least one step")
+        self.context = context
         self.response_length = self.rollout_config.response_length
 
     def make_env(self, kwargs: Mapping[str, Any]):
@@ -203,11 +225,23 @@ class EnvAgentLoop(AgentLoopBase):
         history: list[tuple[str, str | None]] = []
         steps: list[dict[str, Any]] = []
         done = success = False
+        track = MemoryTrack(task=getattr(env, "task", "")) if self.context == "memory" else None
         for t in range(max_steps):
             anchor = env.state_key()
-            user = build_prompt(getattr(env, "task", ""), history, observation,
-                                legal() if legal is not None else None, self.history_length)
-            prompt_ids = await self.ct_build_initial_tokens(system + [{"role": "user", "content": user}])
+            actions = legal() if legal is not None else None
+            ccm: dict[str, Any] = {}
+            if track is None:
+                user = build_prompt(getattr(env, "task", ""), history, observation, actions, self.history_length)
+                prompt_ids = await self.ct_build_initial_tokens(system + [{"role": "user", "content": user}])
+            else:  # CCM: task + memory + newest observation, the reply pre-filled with "<memory>"
+                prefill = self.tokenizer.encode(MEMORY_OPEN, add_special_tokens=False)
+                prompt_ids = await self.ct_build_initial_tokens(
+                    system + [{"role": "user", "content": track.student_prompt(observation, actions)}]) + prefill
+                full = self.tokenizer.apply_chat_template(  # counted, never sent (and never capped)
+                    system + [{"role": "user", "content": track.teacher_prompt(observation, actions)}],
+                    add_generation_prompt=True, tokenize=False)
+                ccm = {"prompt_tokens": len(prompt_ids),
+                       "full_prompt_tokens": len(self.tokenizer.encode(full, add_special_tokens=False)) + len(prefill)}
             metrics: dict[str, Any] = {}
             with simple_timer("generate_sequences", metrics):
                 out = await self._generate(prompt_ids, sampling_params, request_id, int(priority))
@@ -222,12 +256,19 @@ class EnvAgentLoop(AgentLoopBase):
                 response_logprobs = [0.0] if response_logprobs is not None else None
             # the action is parsed from what is trained on: the first response_length generated tokens
             text = self.tokenizer.decode(out.token_ids[: self.response_length], skip_special_tokens=True)
+            if track is not None:
+                text = MEMORY_OPEN + text
 
             action_text = parse_action(text)
             action_key = env.action_key(action_text) if action_text is not None else None
             more = self.step_extras(env, action_text)
             if self.descriptors:
                 more[DESCRIPTOR] = step_descriptor(env, action_key)
+            penalty = 0.0
+            if track is not None:  # the memory is updated before the env acts on the observation it was given
+                turn = track.step(observation, text, action_key)
+                penalty = turn.penalty
+                more.update(ccm, memory_malformed=turn.malformed)
             result = env.step(action_text)
             steps.append(dict(
                 prompt_ids=prompt_ids, response_ids=response_ids[: self.response_length],
@@ -235,7 +276,7 @@ class EnvAgentLoop(AgentLoopBase):
                 response_logprobs=response_logprobs[: self.response_length] if response_logprobs else None,
                 metrics=metrics, server_extra=dict(out.extra_fields or {}),
                 extra={"step_idx": t, "anchor_key": anchor, "action_key": action_key,
-                       "step_reward": float(result.reward), "valid": action_key is not None,
+                       "step_reward": float(result.reward) + penalty, "valid": action_key is not None,
                        "signature": step_signature(anchor, t), **more}))
             history.append((observation, action_key))
             observation = result.observation

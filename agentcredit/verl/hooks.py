@@ -7,7 +7,8 @@
   estimator that reads ``hindsight`` extras (UniOPSD, AlignOPSD) it first re-scores the failed rows under a
   successful sibling's actions with the actor worker group's ``compute_log_prob`` (:mod:`agentcredit.verl.hindsight`);
   with ``algorithm.agentcredit_archive`` set it appends the step's rollouts to that ROSS archive
-  (:mod:`agentcredit.verl.archive`).
+  (:mod:`agentcredit.verl.archive`); rows of CCM's memory context add ``agentcredit/ccm_input_saving``
+  (:func:`ccm_stats`).
 * v1 ``_save_checkpoint`` / ``_load_checkpoint``: the state of stateful estimators (MVPO's kappa schedule, ...)
   is saved as ``agentcredit_estimators.pt`` in each ``global_step_N`` folder and restored on resume (the folder
   verl resumed from; new checkpoints always go under ``default_local_dir``, also after ``resume_mode=resume_path``).
@@ -71,6 +72,7 @@ def wrap_v1_compute_advantage(orig):
         meta = RowMeta.from_v1(list(batch.keys), list(batch.tags) if batch.tags is not None else None, rows)
         name = _name(self.config.algorithm.adv_estimator)
         estimator = registry.get(name)
+        meta.stats.update(ccm_stats(meta))
         path = archive_path(self.config.algorithm)
         if path is not None:  # ROSS: the step's rollouts, appended to the run's archive before any credit
             meta.stats["agentcredit/archived_trajectories"] = float(write_archive(self, batch, meta, path))
@@ -83,6 +85,25 @@ def wrap_v1_compute_advantage(orig):
         return out
 
     return _compute_advantage
+
+
+def ccm_stats(meta: RowMeta) -> dict[str, float]:
+    """CCM's memory context (``context: memory`` of the env loop): the cumulative input saving over the full
+    transcript, ``1 - sum prompt_tokens / sum full_prompt_tokens``, and the malformed-memory rate of the batch's
+    non-padding rows; {} for other loops."""
+    from env_adapters.memory_context import input_token_saving
+
+    cols = meta.columns
+    if "full_prompt_tokens" not in cols or "prompt_tokens" not in cols:
+        return {}
+    rows = [i for i in range(len(meta)) if not meta.is_padding[i]]
+    if not rows:
+        return {}
+    stats = {"agentcredit/ccm_input_saving": input_token_saving([int(cols["prompt_tokens"][i]) for i in rows],
+                                                                [int(cols["full_prompt_tokens"][i]) for i in rows])}
+    if "memory_malformed" in cols:
+        stats["agentcredit/ccm_malformed_memory"] = sum(bool(cols["memory_malformed"][i]) for i in rows) / len(rows)
+    return stats
 
 
 STATE_FILE = "agentcredit_estimators.pt"
