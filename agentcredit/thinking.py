@@ -11,10 +11,10 @@ TRL bridge stands in the policy's last hidden states, mean-pooled over the respo
   the whole response. [R] An empty result is empty thinking: an all-zero embedding, which AlignOPSD never uses as
   a source or a target.
 * :func:`hashed_ngram_embedding`: a feature-hashed bag of token unigrams and bigrams (the policy tokenizer's ids),
-  counts damped by ``log1p``, each n-gram added with a hashed sign (splitmix64), the row scaled to unit length. It needs no weights
-  and no download, is the same in every process and every run, and its cosine is the tf-weighted overlap of two
-  texts' n-grams (collisions aside: ``dim`` buckets, default 1024). [R] A lexical stand-in for the authors' neural
-  encoder: paraphrases that share no n-gram look unrelated to it.
+  counts damped by ``log1p``, each n-gram added with a hashed sign (splitmix64), the row scaled to unit length. It
+  needs no weights and no download, is the same in every process and every run, and its cosine is the tf-weighted
+  overlap of two texts' n-grams (collisions aside: ``dim`` buckets, default 1024). [R] A lexical stand-in for the
+  authors' neural encoder: paraphrases that share no n-gram look unrelated to it.
 
 The teacher's thinking is not generated here (the authors sample it under the privileged prompt); the verl bridge
 gives every row ``E_teacher = E_student`` = the embedding of its own sampled thinking, so ``H`` is the similarity of

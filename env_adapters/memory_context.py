@@ -28,6 +28,8 @@ __all__ = [
     "MEMORY_OPEN",
     "MemoryTrack",
     "MemoryTurn",
+    "ACTION_OPEN",
+    "action_start",
     "full_history_prompt",
     "input_token_saving",
     "memory_prompt",
@@ -36,6 +38,8 @@ __all__ = [
 
 MEMORY_OPEN = "<memory>"
 MEMORY_CLOSE = "</memory>"
+#: the tag that opens the action; the privileged teacher's prompt ends with it (§9.3: s+ = P_F(x, h_n, a_<t))
+ACTION_OPEN = "<action>"
 #: what the prompt shows before any memory was written
 EMPTY_MEMORY = "(empty)"
 _MEM = re.compile(r"^\s*<memory>(.*?)</memory>", re.IGNORECASE | re.DOTALL)
@@ -122,3 +126,15 @@ def input_token_saving(ccm_prompt_tokens: Sequence[int], full_prompt_tokens: Seq
     if total <= 0:
         raise ValueError("input_token_saving: the full-history prompts have no tokens")
     return 1.0 - float(sum(ccm_prompt_tokens)) / total
+
+
+def action_start(tokenizer, completion_ids: Sequence[int]) -> int:
+    """Index of the first action token in a memory-mode completion (``…</memory><action>a</action>``, after the
+    ``<memory>`` pre-fill): the token after the one that completes ``<action>``; −1 when there is none or that token
+    also carries action text. ``tokenizer`` needs only ``decode(ids, skip_special_tokens=True)``."""
+    ids = list(completion_ids)
+    for k in range(1, len(ids) + 1):
+        text = MEMORY_OPEN + tokenizer.decode(ids[:k], skip_special_tokens=True)
+        if ACTION_OPEN in text:
+            return k if text.endswith(ACTION_OPEN) and k < len(ids) else -1
+    return -1

@@ -100,7 +100,10 @@ class HFServer:
             action = next(self.script)
             if action == "":  # an empty generation
                 return TokenOutput(token_ids=[])
-            text = action if self.raw else "I do not know" if action is None else format_action(action, think="scripted")
+            if self.raw:
+                text = action
+            else:
+                text = "I do not know" if action is None else format_action(action, think="scripted")
             return TokenOutput(token_ids=self.tokenizer.encode(text, add_special_tokens=False) + [eos])
         temperature = float(sampling_params.get("temperature", 1.0))
         gen = dict(max_new_tokens=int(sampling_params.get("max_tokens", RESPONSE_LEN)), eos_token_id=eos,
@@ -426,6 +429,14 @@ def test_memory_context_keeps_a_memory_instead_of_the_transcript(transfer_queue,
     assert [r["extra"]["prompt_tokens"] for r in steps] == [len(c["prompt_ids"]) for c in servers[0].calls]
     full, short = [r["extra"]["full_prompt_tokens"] for r in steps], [r["extra"]["prompt_tokens"] for r in steps]
     assert full[2] > full[1] > full[0] and full[2] > short[2]  # the transcript grows, the memory prompt does not
+    # what CCM's privileged teacher reads: the full history (never a memory) ending with "<action>", and where the
+    # action tokens start (-1: the malformed turn is not distilled)
+    starts = [r["extra"]["ccm_action_start"] for r in steps]
+    assert starts[1] == -1 and starts[0] > 0 and starts[2] > 0
+    assert tok.decode(steps[0]["responses"][starts[0]:], skip_special_tokens=True) == "turn left</action>"
+    teacher = [tok.decode(r["extra"]["ccm_teacher_prompt_ids"]) for r in steps]
+    assert all(t.endswith("<action>") for t in teacher)
+    assert "Prior to this step" in teacher[2] and "goal ahead" not in teacher[2]  # history, not the memory
 
     keys = _keys(rows)
     _, metrics = _run_advantage(transfer_queue, keys, [{"status": "success"}] * len(keys), _config())

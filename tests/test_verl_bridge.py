@@ -273,8 +273,9 @@ def _postprocess():
     return functools.partial(worker_cls._agent_loop_postprocess, fake)
 
 
-def _write_rows(tq, rows=ROWS, with_anchor=True):
-    """One AgentLoopOutput per step, stored exactly as verl's AgentLoopWorkerTQ stores them."""
+def _write_rows(tq, rows=ROWS, with_anchor=True, more=None):
+    """One AgentLoopOutput per step, stored exactly as verl's AgentLoopWorkerTQ stores them (``more(row)``: extra
+    ``extra_fields`` of a row)."""
     from verl.experimental.agent_loop import AgentLoopOutput
     from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics
 
@@ -293,6 +294,8 @@ def _write_rows(tq, rows=ROWS, with_anchor=True):
                          "descriptor": descriptor(row)}
                 if with_anchor:
                     extra["anchor_key"] = anchor
+                if more is not None:
+                    extra.update(more(row))
                 if score is not None:
                     extra["reward_extra_info"] = {}
                 outs.append(AgentLoopOutput(prompt_ids=[1, 2, 3], response_ids=[10 + t] * RESP_LEN,
@@ -360,10 +363,14 @@ class _ActorGroup:
         self.tq, self.calls = tq, []
 
     def compute_log_prob(self, meta):
+        return self._score(meta, -0.001)
+
+    def _score(self, meta, per_prompt_token):
         data = self.tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id,
                                     select_fields=["input_ids", "prompts", "responses"])
         prompts = [p.tolist() for p in data["prompts"].unbind(0)]
-        lps = [torch.full((ids.numel(),), -0.001 * len(p)) for ids, p in zip(data["input_ids"].unbind(0), prompts)]
+        lps = [torch.full((ids.numel(),), per_prompt_token * len(p))
+               for ids, p in zip(data["input_ids"].unbind(0), prompts)]
         self.calls.append((meta.partition_id, list(meta.keys), dict(meta.extra_info), prompts,
                            [r.tolist() for r in data["responses"].unbind(0)]))
         from tensordict import TensorDict
@@ -542,6 +549,94 @@ def _run_v1_with(tq, keys, config):
     trainer = types.SimpleNamespace(config=config, tokenizer=_CharTokenizer(), global_steps=1)
     batch = KVBatchMeta(partition_id="train", keys=list(keys), tags=[{"status": "success"}] * len(keys))
     PPOTrainer._compute_advantage(trainer, batch, metrics={})
+
+
+class _RefGroup(_ActorGroup):
+    """Stands in for verl's reference worker group: ``compute_ref_log_prob`` writes ``log_probs`` of -0.002 x the
+    prompt length at every position."""
+
+    _dispatch_info = {"ref": [0, 1]}  # dp size 2
+
+    def compute_log_prob(self, meta):  # pragma: no cover - the reference must be asked, not the actor
+        raise AssertionError("CCM's teacher is the reference policy, not the actor")
+
+    def compute_ref_log_prob(self, meta):
+        return self._score(meta, -0.002)
+
+
+#: CCM rows: a_0's turns and b_0 are eligible, their action tokens start at response token 1
+CCM_START = {"a_0": 1, "b_0": 1}
+CCM_TEACHER = [5, 6, 7, 8, 9]
+
+
+def _ccm_fields(row):
+    return {"ccm_teacher_prompt_ids": CCM_TEACHER, "ccm_action_start": CCM_START.get(row[1], -1)}
+
+
+def test_v1_ccm_distillation_adds_the_gated_teacher_term_on_action_tokens(transfer_queue):
+    """CCM on verl (agentcredit.verl.ccm): the reference policy (the frozen initial model) scores each eligible
+    row's action tokens after its full-history prompt; lambda * sigma(beta (lp_T - lp_old)) is added to the
+    advantage of those tokens only."""
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    keys = _write_rows(transfer_queue, more=_ccm_fields)
+    _put_old_log_probs(transfer_queue, keys)
+    ref = _RefGroup(transfer_queue)
+    config = _trainer_config(step_weight=0.5)
+    config.actor_rollout_ref.rollout.temperature = 1.0
+    config.algorithm.agentcredit_ccm = {"distill_lambda": 0.01, "distill_beta": 5.0}
+    trainer = types.SimpleNamespace(config=config, tokenizer=_CharTokenizer(), actor_rollout_wg=ref,
+                                    ref_policy_wg=ref, use_reference_policy=True, ref_in_actor=False)
+    metrics = {}
+    batch = KVBatchMeta(partition_id="train", keys=list(keys), tags=[{"status": "success"}] * len(keys))
+    PPOTrainer._compute_advantage(trainer, batch, metrics=metrics)
+    adv = transfer_queue.kv_batch_get(keys=list(keys), partition_id="train", select_fields=["advantages"])["advantages"]
+
+    (part, hs_keys, info, prompts, responses), = ref.calls
+    eligible = [i for i, r in enumerate(ROWS) if r[1] in CCM_START]  # a_0 t0, a_0 t1, b_0
+    assert len(hs_keys) == 4 and prompts == [CCM_TEACHER] * 4  # 3 rows padded to the ref's dp size 2
+    assert responses[:3] == [[10 + ROWS[i][2]] * (RESP_LEN - 1) for i in eligible]  # the action tokens only
+    gate = torch.sigmoid(torch.tensor(5.0 * (-0.002 * len(CCM_TEACHER) + 0.5), dtype=torch.float64))
+    expected = pure_gigpo(step_weight=0.5).double()[:, None].expand(len(ROWS), RESP_LEN).clone()
+    for i in eligible:
+        expected[i, 1:] += 0.01 * float(torch.tensor(float(gate), dtype=torch.float32))
+    got = torch.stack(list(adv.unbind(0))).double()
+    assert torch.allclose(got, expected, atol=1e-6)
+    assert metrics["agentcredit/ccm_distill_rows"] == 3 and metrics["agentcredit/ccm_distill_tokens"] == 9
+    assert metrics["agentcredit/ccm_gate_mean"] == pytest.approx(float(gate), rel=1e-5)
+
+
+def test_ccm_distillation_needs_a_reference_policy_and_memory_rows(transfer_queue):
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    config = _trainer_config(step_weight=0.5)
+    config.algorithm.agentcredit_ccm = {"distill_lambda": 0.01}
+    keys = _write_rows(transfer_queue)
+    batch = KVBatchMeta(partition_id="train", keys=list(keys), tags=[{"status": "success"}] * len(keys))
+    trainer = types.SimpleNamespace(config=config, tokenizer=_CharTokenizer(), use_reference_policy=True)
+    with pytest.raises(ValueError, match=r"agentcredit_ccm.*ccm_teacher_prompt_ids.*context: memory"):
+        PPOTrainer._compute_advantage(trainer, batch, metrics={})
+    keys = _write_rows(transfer_queue, rows=[("c", "c_0", 0, "s0", "x", 1.0), ("c", "c_1", 0, "s1", "y", 0.0)],
+                       more=_ccm_fields)
+    batch = KVBatchMeta(partition_id="train", keys=list(keys), tags=[{"status": "success"}] * len(keys))
+    trainer.use_reference_policy = False
+    with pytest.raises(ValueError, match=r"reference policy.*use_kl_loss=true"):
+        PPOTrainer._compute_advantage(trainer, batch, metrics={})
+
+
+@pytest.mark.parametrize("block,match", [({"distill_lambda": -1}, "distill_lambda=-1"),
+                                         ({"distill_beta": float("nan")}, "distill_beta=nan"),
+                                         ({"lambda": 0.1}, r"unknown key\(s\) \['lambda'\]")])
+def test_ccm_params_are_validated(block, match):
+    from agentcredit.verl.ccm import ccm_params
+
+    with pytest.raises(ValueError, match=match):
+        ccm_params(OmegaConf.create({"agentcredit_ccm": block}))
+    assert ccm_params(OmegaConf.create({})) is None
+    assert ccm_params(OmegaConf.create({"agentcredit_ccm": {"distill_lambda": 0}})) is None
+    assert ccm_params({"agentcredit_ccm": {}}) == (0.01, 5.0)
 
 
 @pytest.mark.parametrize("name", FLAT)

@@ -9,7 +9,8 @@ Sizes come from :func:`agentcredit.verl.smoke.prepare`: 2 tasks x 2 sessions (a 
 differ. Every run asserts from verl's console step metrics:
 
 * the bridge saw the loop's rows: ``agentcredit/steps`` = the rows the loop produced (2 x 2 sessions x 3 steps when
-  no episode ends early), ``agentcredit/trajectories`` = tasks x sessions, no padding rows;
+  no episode ends early), ``agentcredit/trajectories`` = tasks x sessions, no padding rows (the CCM run may have
+  some: its episodes end early more often, and the bridge drops them);
 * the credit is real: advantages not all zero (the invalid-action penalty gives step rewards) and
   ``actor/grad_norm`` finite and > 0;
 * weight sync: rollout and trainer log-probs agree (``training/rollout_probs_diff_max`` < 1e-4 in fp32).
@@ -52,8 +53,9 @@ def workdir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _run(recipe: str, workdir: Path, steps: int = 2, overrides=(), n: int | None = None):
-    run = smoke.prepare(RECIPES / f"{recipe}.yaml", workdir, steps=steps, rows=TASKS, n=n, overrides=list(overrides))
+def _run(recipe: str, workdir: Path, steps: int = 2, overrides=(), n: int | None = None, **prepare):
+    run = smoke.prepare(RECIPES / f"{recipe}.yaml", workdir, steps=steps, rows=TASKS, n=n, overrides=list(overrides),
+                        **prepare)
     rc, log, metrics = smoke.run(run, timeout=TIMEOUT)
     tail = "\n".join(log.splitlines()[-60:])
     assert rc == 0, f"main_ppo exited {rc}; last lines:\n{tail}"
@@ -62,8 +64,10 @@ def _run(recipe: str, workdir: Path, steps: int = 2, overrides=(), n: int | None
 
 
 def _check_step(m: dict, *, trajectories: int | None = TASKS * SESSIONS, exact_rows: bool = True,
-                nonzero_adv: bool = True) -> None:
-    assert m["agentcredit/padding_rows"] == 0
+                nonzero_adv: bool = True, padding: bool = False) -> None:
+    """``padding``: verl's batch balancing may add padding rows (a row count that episodes ending early leave
+    indivisible); the bridge drops them."""
+    assert m["agentcredit/padding_rows"] == 0 or (padding and m["agentcredit/padding_rows"] > 0)
     if trajectories is not None:
         assert m["agentcredit/trajectories"] == trajectories
     steps = m["agentcredit/steps"]
@@ -97,10 +101,27 @@ def test_sokoban_gigpo(workdir):
     assert all(u.t == k for a in archived for k, u in enumerate(a.turns))
 
 
-def test_sokoban_graphhca(workdir):
-    metrics, _ = _run("sokoban_graphhca", workdir)
+def test_sokoban_graphhca_with_ccm_memory_context_and_distillation(workdir):
+    """``sokoban_graphhca`` played with CCM's memory context (``context: memory``; the smoke model primed on
+    ``<memory>`` answers) and CCM's distillation (``+algorithm.agentcredit_ccm``): verl's reference policy (the
+    frozen initial model, on since ``use_kl_loss=true``) scores the eligible turns' action tokens after the
+    full-history prompt and the gated term reaches the advantages. GraphHCA's credit runs as usual on the same rows."""
+    metrics, _ = _run("sokoban_graphhca", workdir, response_length=24, loop_options={"context": "memory"},
+                      overrides=["actor_rollout_ref.actor.use_kl_loss=true",
+                                 "+algorithm.agentcredit_ccm.distill_lambda=0.01"])
+    distilled = 0
     for step in (1, 2):
-        _check_step(metrics[step])
+        m = metrics[step]
+        _check_step(m, padding=True)
+        assert 0 < m["agentcredit/ccm_input_saving"] < 1  # the memory prompt is shorter than the transcript
+        assert 0 <= m["agentcredit/ccm_malformed_memory"] < 1
+        assert 0 <= m["agentcredit/ccm_distill_rows"] <= m["agentcredit/steps"]
+        if m["agentcredit/ccm_distill_rows"]:
+            assert 0 < m["agentcredit/ccm_gate_mean"] < 1 and math.isfinite(m["agentcredit/ccm_teacher_gap_mean"])
+            assert m["agentcredit/ccm_distill_tokens"] >= m["agentcredit/ccm_distill_rows"]
+        distilled += m["agentcredit/ccm_distill_rows"]
+        assert math.isfinite(m["actor/kl_loss"])
+    assert distilled > 0, {s: {k: v for k, v in m.items() if "ccm" in k} for s, m in metrics.items()}
 
 
 def test_mvpo_checkpoint_and_resume_restore_kappa_state(workdir):

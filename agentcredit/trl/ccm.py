@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from credit_plugins.hashing import stable_hash
-from env_adapters.memory_context import MEMORY_OPEN, MemoryTrack, input_token_saving
+from env_adapters.memory_context import MEMORY_OPEN, MemoryTrack, action_start, input_token_saving
 from env_adapters.prompting import parse_action
 
 from .rollouts import (
@@ -72,17 +72,6 @@ def _chat(tokenizer, user: str, system: str | None, prefix: str) -> str:
     messages = ([{"role": "system", "content": system}] if system is not None else []) + \
         [{"role": "user", "content": user}]
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) + prefix
-
-
-def action_start(tokenizer, completion_ids: Sequence[int]) -> int:
-    """Index of the first action token in a memory-mode completion (``…</memory><action>a</action>``): the token
-    after the one that completes ``<action>``; −1 when there is none or that token also carries action text."""
-    ids = list(completion_ids)
-    for k in range(1, len(ids) + 1):
-        text = MEMORY_OPEN + tokenizer.decode(ids[:k], skip_special_tokens=True)
-        if ACTION_PREFIX in text:
-            return k if text.endswith(ACTION_PREFIX) and k < len(ids) else -1
-    return -1
 
 
 @dataclass

@@ -88,6 +88,18 @@ HINDSIGHT_NOT_SCORED = (
     "(VERL_USE_EXTERNAL_MODULES=agentcredit.verl shows why not); the legacy trainer has no such step")
 
 
+def _padded(rows: list[np.ndarray], like: torch.Tensor) -> torch.Tensor:
+    """Per-row arrays right-padded (with 0) or cut to ``like``'s ``[B, L]``."""
+    out = torch.zeros(like.shape, dtype=torch.float64)
+    if len(rows) != like.shape[0]:
+        raise ValueError(f"agentcredit: a per-token advantage term for {len(rows)} rows but the batch has "
+                         f"{like.shape[0]}")
+    for i, r in enumerate(rows):
+        n = min(len(r), like.shape[-1])
+        out[i, :n] = torch.as_tensor(r[:n], dtype=torch.float64)
+    return out
+
+
 def make_verl_estimator(estimator: Estimator):
     """A verl advantage-estimator function that runs ``estimator`` on the batch's steps."""
 
@@ -147,6 +159,8 @@ def make_verl_estimator(estimator: Estimator):
                            if isinstance(v, (int, float)) and v == v})
         scores = scores.to(response_mask.device)
         adv = (scores if scores.ndim == 2 else scores.unsqueeze(-1)) * response_mask
+        if meta.token_bonus is not None:  # CCM's distillation term (agentcredit.verl.ccm), on the response tokens
+            adv = adv + _padded(meta.token_bonus, response_mask).to(adv.dtype) * response_mask
         return adv, adv
 
     compute.__name__ = f"agentcredit_{estimator.name}"

@@ -72,17 +72,19 @@ it to the earlier outputs. Rows are stored under ``{uid}_{session_id}_{t}``.
 
 CCM's memory context (``context: memory``; ``DISTILL.md`` §9, :mod:`env_adapters.memory_context`): each prompt holds
 only the task, the retained memory and the newest observation (``MemoryTrack.student_prompt``, never the transcript;
-``history_length`` is not used), and the assistant reply is pre-filled with ``<memory>`` (those tokens end the
-prompt, so they are not trained); the model writes ``notes</memory><action>a</action>``. A malformed memory block
-keeps the previous memory and adds the invalid penalty (-0.1) to ``step_reward``; the action is still played. As in
-the TRL memory rollout (:mod:`agentcredit.trl.ccm`). Each row then also carries ``memory_malformed`` (bool),
-``prompt_tokens`` (its prompt's length) and ``full_prompt_tokens`` (the length the full-history prompt of the same
-turn would have, counted with the tokenizer's chat template and never capped), from which the credit bridge logs ``agentcredit/ccm_input_saving``
-(``1 - sum prompt_tokens / sum full_prompt_tokens``). Not on verl yet: CCM's privileged full-history distillation
-(the frozen initial model scoring the actions under the full history): use the TRL bridge for it.
+``history_length`` is not used), and the assistant reply is pre-filled with ``<memory>`` (those tokens end the prompt,
+so they are not trained); the model writes ``notes</memory><action>a</action>``. A malformed memory block keeps the
+previous memory and adds the invalid penalty (-0.1) to ``step_reward``; the action is still played. As in the TRL
+memory rollout (:mod:`agentcredit.trl.ccm`). Each row then also carries ``memory_malformed`` (bool), ``prompt_tokens``
+(its prompt's length) and ``full_prompt_tokens`` (the length the full-history prompt of the same turn would have,
+counted with the tokenizer's chat template and never capped), from which the credit bridge logs
+``agentcredit/ccm_input_saving`` (``1 - sum prompt_tokens / sum full_prompt_tokens``), and what CCM's privileged
+distillation reads (:mod:`agentcredit.verl.ccm`): ``ccm_teacher_prompt_ids`` (the full-history prompt of the turn,
+observations and actions and never memories, ending with ``<action>``) and ``ccm_action_start`` (the index of the
+first action token in the response; -1 when the turn is not eligible: malformed memory or no admissible action).
 
-Not supported: multimodal observations, rollout tracing (``rollout_trace_op``), teacher logprobs for rows other
-than the final one (verl 0.9.1 computes them only for the final output).
+Not supported: multimodal observations, rollout tracing (``rollout_trace_op``). (verl 0.9.1 computes distillation
+teacher log-probs for a loop's final output only; :mod:`agentcredit.verl.distill` scores every row.)
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ import env_adapters
 
 from credit_plugins.estimators.mvpo import default_signature
 from env_adapters.descriptors import DESCRIPTOR, step_descriptor
-from env_adapters.memory_context import MEMORY_OPEN, MemoryTrack
+from env_adapters.memory_context import ACTION_OPEN, MEMORY_OPEN, MemoryTrack, action_start
 from env_adapters.prompting import build_prompt, parse_action
 
 __all__ = ["EnvAgentLoop", "AGENT_NAME", "SAMPLE_FIELDS"]
@@ -237,11 +239,13 @@ class EnvAgentLoop(AgentLoopBase):
                 prefill = self.tokenizer.encode(MEMORY_OPEN, add_special_tokens=False)
                 prompt_ids = await self.ct_build_initial_tokens(
                     system + [{"role": "user", "content": track.student_prompt(observation, actions)}]) + prefill
-                full = self.tokenizer.apply_chat_template(  # counted, never sent (and never capped)
+                full = self.tokenizer.apply_chat_template(  # never sent to the rollout (and never capped)
                     system + [{"role": "user", "content": track.teacher_prompt(observation, actions)}],
                     add_generation_prompt=True, tokenize=False)
+                teacher_ids = self.tokenizer.encode(full + ACTION_OPEN, add_special_tokens=False)
                 ccm = {"prompt_tokens": len(prompt_ids),
-                       "full_prompt_tokens": len(self.tokenizer.encode(full, add_special_tokens=False)) + len(prefill)}
+                       "full_prompt_tokens": len(self.tokenizer.encode(full, add_special_tokens=False)) + len(prefill),
+                       "ccm_teacher_prompt_ids": teacher_ids}
             metrics: dict[str, Any] = {}
             with simple_timer("generate_sequences", metrics):
                 out = await self._generate(prompt_ids, sampling_params, request_id, int(priority))
@@ -268,7 +272,9 @@ class EnvAgentLoop(AgentLoopBase):
             if track is not None:  # the memory is updated before the env acts on the observation it was given
                 turn = track.step(observation, text, action_key)
                 penalty = turn.penalty
-                more.update(ccm, memory_malformed=turn.malformed)
+                start = (action_start(self.tokenizer, response_ids[: self.response_length])
+                         if action_key is not None and not turn.malformed else -1)
+                more.update(ccm, memory_malformed=turn.malformed, ccm_action_start=start)
             result = env.step(action_text)
             steps.append(dict(
                 prompt_ids=prompt_ids, response_ids=response_ids[: self.response_length],

@@ -1,7 +1,8 @@
 """The ROSS rollout archive on verl: every training step's rollouts appended to a JSONL archive.
 
     python -m verl.trainer.main_ppo ... +algorithm.agentcredit_archive=$HOME/runs/x/rollouts.jsonl
-    agentcredit ross recipes/trl/minigrid_gigpo.yaml --archive $HOME/runs/x/rollouts.jsonl --model PATH --out runs/x/ross
+    agentcredit ross recipes/trl/minigrid_gigpo.yaml --archive $HOME/runs/x/rollouts.jsonl --model PATH \
+        --out runs/x/ross
 
 ROSS (``DISTILL.md`` §10.1) relearns from the rollouts a run has already paid for. The TRL turn rollout writes them
 with ``rollout_options.archive``; on verl the wrapped v1 ``PPOTrainer._compute_advantage``
@@ -101,16 +102,16 @@ def write_archive(trainer, batch, meta: RowMeta, path: str) -> int:
     import transfer_queue as tq
     from distill_plugins.ross import ArchiveWriter
 
-    from .hindsight import _rows
+    from .hindsight import field_rows
 
     data = tq.kv_batch_get(keys=list(batch.keys), partition_id=batch.partition_id,
                            select_fields=["prompts", "responses", "response_mask", "rm_scores"])
-    masks = [m.bool() for m in _rows(data["response_mask"])]
-    completions = [r[m].tolist() for r, m in zip(_rows(data["responses"]), masks)]
+    masks = [m.bool() for m in field_rows(data["response_mask"])]
+    completions = [r[m].tolist() for r, m in zip(field_rows(data["responses"]), masks)]
     texts = trainer.tokenizer.batch_decode(completions, skip_special_tokens=True)
-    scores = [float(s.double().sum()) for s in _rows(data["rm_scores"])]
+    scores = [float(s.double().sum()) for s in field_rows(data["rm_scores"])]
     uids = [k.rsplit("_", 2)[0] for k in batch.keys]
-    trajectories = archived_trajectories(meta, [p.tolist() for p in _rows(data["prompts"])], completions, texts,
+    trajectories = archived_trajectories(meta, [p.tolist() for p in field_rows(data["prompts"])], completions, texts,
                                          scores, uids=uids, step=int(getattr(trainer, "global_steps", 0) or 0))
     writer = _WRITERS.get(path)
     if writer is None:

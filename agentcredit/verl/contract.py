@@ -51,6 +51,8 @@ class RowMeta:
     is_padding: np.ndarray
     source: str
     stats: dict[str, float] = field(default_factory=dict)
+    #: per batch row, an amount added to the advantage of each response token (CCM's distillation term), or None
+    token_bonus: list[np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.is_padding)

@@ -77,7 +77,8 @@ from credit_plugins.estimator import Estimator
 
 from .contract import RowMeta, build_step_table
 
-__all__ = ["ALIGN_COLUMNS", "COLUMNS", "PARTITION", "add_hindsight_columns", "needs_hindsight", "score_prompts"]
+__all__ = ["ALIGN_COLUMNS", "COLUMNS", "PARTITION", "add_hindsight_columns", "field_rows", "needs_hindsight",
+           "score_prompts"]
 
 #: the TransferQueue partition the hindsight rows live in while the actor scores them
 PARTITION = "agentcredit_hindsight"
@@ -93,26 +94,31 @@ def needs_hindsight(estimator: Estimator) -> bool:
     return "hindsight" in estimator.sources()
 
 
-def _rows(nested: Any) -> list[torch.Tensor]:
+def field_rows(nested: Any) -> list[torch.Tensor]:
     """The rows of a TransferQueue field (a jagged nested tensor, a padded tensor or a list) as 1-D tensors."""
     if isinstance(nested, torch.Tensor):
         return [r.reshape(-1) for r in nested.unbind(0)]
     return [torch.as_tensor(r).reshape(-1) for r in nested]
 
 
-def _dp_size(trainer) -> int:
-    """The actor's data-parallel size, found as verl's ``_balance_batch`` finds it."""
-    wg = trainer.actor_rollout_wg
+def _dp_size(wg, mesh: str) -> int:
+    """The data-parallel size of worker group ``wg``'s ``mesh`` (``"actor"``, ``"ref"``), found as verl's
+    ``_balance_batch`` finds the actor's."""
     info = getattr(wg, "_dispatch_info", None)
     if info is None:
         return 1
-    if "actor" not in info:
-        info["actor"] = wg._query_dispatch_info("actor")
-    return max(info["actor"]) + 1
+    if mesh not in info:
+        info[mesh] = wg._query_dispatch_info(mesh)
+    return max(info[mesh]) + 1
 
 
-def _hindsight_sample(source: Mapping[str, Any], prompt_ids: Sequence[int]) -> dict[str, Any]:
-    """A copy of one TransferQueue row with ``prompt_ids`` as its prompt and the same response tokens."""
+#: TransferQueue fields that are not over the response tokens (never cut by ``response_start``)
+_SEQUENCE_FIELDS = ("prompts", "input_ids", "attention_mask", "position_ids")
+
+
+def _hindsight_sample(source: Mapping[str, Any], prompt_ids: Sequence[int], response_start: int = 0) -> dict[str, Any]:
+    """A copy of one TransferQueue row with ``prompt_ids`` as its prompt and the same response tokens from
+    ``response_start`` on (every 1-D field over the response is cut the same way)."""
     from verl.trainer.ppo.padding_utils import build_padding_position_ids
 
     sample = {k: (source[k].clone() if isinstance(source[k], torch.Tensor) else copy.deepcopy(source[k]))
@@ -122,9 +128,17 @@ def _hindsight_sample(source: Mapping[str, Any], prompt_ids: Sequence[int]) -> d
                          "multi_modal_inputs")
     prompts = torch.as_tensor(list(prompt_ids), dtype=torch.int64)
     responses = torch.as_tensor(sample["responses"], dtype=torch.int64).reshape(-1)
+    if response_start:
+        if not 0 < response_start < responses.numel():
+            raise ValueError(f"response_start={response_start} outside the row's {responses.numel()} response tokens")
+        for key, value in list(sample.items()):
+            if (key not in _SEQUENCE_FIELDS and isinstance(value, torch.Tensor) and value.dim() == 1
+                    and value.numel() == responses.numel()):
+                sample[key] = value[response_start:].clone()
+        responses = responses[response_start:]
     input_ids = torch.cat([prompts, responses])
     attention_mask = torch.ones_like(input_ids)
-    sample.update(prompts=prompts, input_ids=input_ids,
+    sample.update(prompts=prompts, responses=responses, input_ids=input_ids,
                   position_ids=build_padding_position_ids(sample.get("position_ids"), attention_mask))
     if "attention_mask" in sample:
         sample["attention_mask"] = attention_mask
@@ -133,9 +147,13 @@ def _hindsight_sample(source: Mapping[str, Any], prompt_ids: Sequence[int]) -> d
     return sample
 
 
-def score_prompts(trainer, batch, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-    """Log-probs (float32, one 1-D tensor per entry, over the response) of ``batch`` rows ``rows`` re-scored by the
-    actor worker group with ``prompts`` in place of their own prompts (a row may appear more than once)."""
+def score_prompts(trainer, batch, rows: Sequence[int], prompts: Sequence[Sequence[int]], *,
+                  response_starts: Sequence[int] | None = None, reference: bool = False) -> list[torch.Tensor]:
+    """Log-probs (float32, one 1-D tensor per entry, over the response) of ``batch`` rows ``rows`` re-scored with
+    ``prompts`` in place of their own prompts (a row may appear more than once), each from its response token
+    ``response_starts[r]`` on (default 0: the whole response), by the actor worker group, or with ``reference`` by
+    the reference policy (verl's frozen initial model: ``ref_policy_wg.compute_ref_log_prob``, or the actor without
+    its LoRA adapter when the reference lives in the actor), as verl's ``_compute_ref_log_prob`` calls it."""
     import transfer_queue as tq
     from transfer_queue import KVBatchMeta
     from verl.utils.tensordict_utils import list_of_dict_to_tensordict
@@ -146,14 +164,17 @@ def score_prompts(trainer, batch, rows: Sequence[int], prompts: Sequence[Sequenc
     unique = sorted({int(i) for i in rows})  # a row may be scored under several prompts (AlignOPSD's sources)
     at = {i: u for u, i in enumerate(unique)}
     source = tq.kv_batch_get(keys=[batch.keys[i] for i in unique], partition_id=batch.partition_id)
-    samples = [_hindsight_sample(source[at[int(i)]], prompts[r]) for r, i in enumerate(rows)]
+    starts = list(response_starts) if response_starts is not None else [0] * len(rows)
+    samples = [_hindsight_sample(source[at[int(i)]], prompts[r], starts[r]) for r, i in enumerate(rows)]
     tags = []
     for r, i in enumerate(rows):
         tag = dict(batch.tags[i]) if batch.tags is not None else {}
         tag.update(prompt_len=len(prompts[r]), response_len=int(samples[r]["responses"].numel()),
                    seq_len=int(samples[r]["input_ids"].numel()), is_padding=False)
         tags.append(tag)
-    dp = _dp_size(trainer)
+    in_actor = not reference or bool(getattr(trainer, "ref_in_actor", False))
+    wg = trainer.actor_rollout_wg if in_actor else trainer.ref_policy_wg
+    dp = _dp_size(wg, "actor" if in_actor else "ref")
     n = len(samples)
     while len(samples) % dp:  # the dispatch splits the batch evenly over the data-parallel ranks
         samples.append(copy.deepcopy(samples[len(samples) % n]))
@@ -167,13 +188,15 @@ def score_prompts(trainer, batch, rows: Sequence[int], prompts: Sequence[Sequenc
         extra_info = dict(getattr(batch, "extra_info", None) or {})
         extra_info.update(calculate_entropy=False, compute_loss=False,
                           temperature=trainer.config.actor_rollout_ref.rollout.temperature)
+        if reference and in_actor:
+            extra_info["no_lora_adapter"] = True
         meta = KVBatchMeta(keys=hs_keys, tags=tags, partition_id=PARTITION, extra_info=extra_info)
-        output = trainer.actor_rollout_wg.compute_log_prob(meta)
+        output = wg.compute_log_prob(meta) if in_actor else wg.compute_ref_log_prob(meta)
         if output is not None and len(output) != len(hs_keys):
-            raise RuntimeError(f"agentcredit hindsight scoring: the actor returned {len(output)} rows for "
+            raise RuntimeError(f"agentcredit scoring: the worker group returned {len(output)} rows for "
                                f"{len(hs_keys)}")
         data = tq.kv_batch_get(keys=hs_keys, partition_id=PARTITION, select_fields=["log_probs", "response_mask"])
-        logp = _rows(response_from_nested(data["log_probs"], data["response_mask"]))
+        logp = field_rows(response_from_nested(data["log_probs"], data["response_mask"]))
     finally:
         tq.kv_clear(keys=hs_keys, partition_id=PARTITION)
     return [lp.to(torch.float32) for lp in logp[:n]]
@@ -215,23 +238,24 @@ def add_hindsight_columns(trainer, batch, meta: RowMeta, estimator: Estimator, p
     keys = list(batch.keys)
     data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id,
                            select_fields=["rm_scores", "response_mask", "old_log_probs", "responses", "prompts"])
-    masks = _rows(data["response_mask"])
-    old = [lp.to(torch.float32) for lp in _rows(data["old_log_probs"])]
+    masks = field_rows(data["response_mask"])
+    old = [lp.to(torch.float32) for lp in field_rows(data["old_log_probs"])]
     for i, (lp, m) in enumerate(zip(old, masks)):
         if lp.numel() != m.numel():
             raise ValueError(f"agentcredit hindsight scoring: row {keys[i]!r} has {lp.numel()} old_log_probs for "
                              f"{m.numel()} response tokens")
-    score = torch.tensor([float(r.to(torch.float64).sum()) for r in _rows(data["rm_scores"])], dtype=torch.float64)
+    score = torch.tensor([float(r.to(torch.float64).sum()) for r in field_rows(data["rm_scores"])],
+                         dtype=torch.float64)
     uid = [k.rsplit("_", 2)[0] for k in keys]
     steps, keep = build_step_table(meta, score.unsqueeze(-1), uid, (), estimator.name)
     tok = trainer.tokenizer
-    responses = _rows(data["responses"])
+    responses = field_rows(data["responses"])
     texts = tok.batch_decode([responses[int(i)][masks[int(i)].bool()].tolist() for i in keep],
                              skip_special_tokens=True)
     prefixes = peer_prefixes(steps, texts, success_threshold=getattr(params, "peer_success_threshold", None))
     taught = [int(keep[j]) for j, p in enumerate(prefixes) if p]
     prefix_of = {int(keep[j]): p for j, p in enumerate(prefixes) if p}
-    teacher_prompts = [p.tolist() for p in _rows(data["prompts"])]
+    teacher_prompts = [p.tolist() for p in field_rows(data["prompts"])]
     teacher = [lp.clone() for lp in old]
     grown = 0
     if taught:

@@ -8,7 +8,8 @@
   successful sibling's actions with the actor worker group's ``compute_log_prob`` (:mod:`agentcredit.verl.hindsight`);
   with ``algorithm.agentcredit_archive`` set it appends the step's rollouts to that ROSS archive
   (:mod:`agentcredit.verl.archive`); rows of CCM's memory context add ``agentcredit/ccm_input_saving``
-  (:func:`ccm_stats`).
+  (:func:`ccm_stats`), and ``algorithm.agentcredit_ccm`` adds CCM's distillation term to their action tokens'
+  advantages (:mod:`agentcredit.verl.ccm`).
 * v1 ``_save_checkpoint`` / ``_load_checkpoint``: the state of stateful estimators (MVPO's kappa schedule, ...)
   is saved as ``agentcredit_estimators.pt`` in each ``global_step_N`` folder and restored on resume (the folder
   verl resumed from; new checkpoints always go under ``default_local_dir``, also after ``resume_mode=resume_path``).
@@ -32,6 +33,7 @@ from ._compat import check_signature, checkpoint_wraps, install_post_import_hook
 from .adapter import publish
 from .contract import RowMeta
 from .archive import archive_path, write_archive
+from .ccm import add_ccm_distillation, ccm_params
 from .hindsight import add_hindsight_columns, needs_hindsight
 
 logger = logging.getLogger("agentcredit")
@@ -76,6 +78,9 @@ def wrap_v1_compute_advantage(orig):
         path = archive_path(self.config.algorithm)
         if path is not None:  # ROSS: the step's rollouts, appended to the run's archive before any credit
             meta.stats["agentcredit/archived_trajectories"] = float(write_archive(self, batch, meta, path))
+        ccm = ccm_params(self.config.algorithm)
+        if ccm is not None:  # CCM: the frozen reference scores the action tokens under the full history
+            add_ccm_distillation(self, batch, meta, *ccm)
         if needs_hindsight(estimator):  # UniOPSD: re-score failed rows under a successful sibling's actions
             params = estimator.make_params(**adapter.estimator_params(self.config.algorithm, name))
             add_hindsight_columns(self, batch, meta, estimator, params)

@@ -46,6 +46,12 @@ CPU_OVERRIDES = (
     "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
     "actor_rollout_ref.actor.use_torch_compile=false",
     "actor_rollout_ref.actor.fsdp_config.use_torch_compile=false",
+    # the reference policy (KL loss, CCM's teacher) on the same CPU terms: no pinned-memory offload, fp32
+    "actor_rollout_ref.ref.fsdp_config.param_offload=false",
+    "actor_rollout_ref.ref.fsdp_config.strategy=fsdp2",
+    "actor_rollout_ref.ref.fsdp_config.dtype=float32",
+    "+actor_rollout_ref.ref.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
+    "actor_rollout_ref.ref.fsdp_config.use_torch_compile=false",
     "actor_rollout_ref.model.use_remove_padding=false",
     "actor_rollout_ref.model.enable_gradient_checkpointing=false",
     "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
@@ -183,7 +189,12 @@ def prepare(recipe: str | os.PathLike, workdir: str | os.PathLike, *, steps: int
                     "--val", str(rows), "--out", str(data_dir), "--agent-name", loop_name], check=True,
                    capture_output=True, text=True)
 
-    model_path = resolve_model(model) if model else primed_tiny_model()
+    if model:
+        model_path = resolve_model(model)
+    elif entry.get("context") == "memory":  # CCM's memory context: answers after the "<memory>" pre-fill
+        model_path = primed_tiny_model(MEMORY_ANSWERS, context="memory")
+    else:
+        model_path = primed_tiny_model()
     if n is None:
         n = 1 if loop_name == "agentcredit_tree" else 2
     cpu_overrides = list(CPU_OVERRIDES)
@@ -193,7 +204,7 @@ def prepare(recipe: str | os.PathLike, workdir: str | os.PathLike, *, steps: int
         cpu_overrides = [o.replace("num_gpus=1", "num_gpus=2").replace("num_cpus=8", "num_cpus=16")
                          for o in cpu_overrides]
         distill = teacher_overrides(resolve_model(teacher or TINY_TEACHER))
-    run_overrides = [
+    base = [
         *cpu_overrides,
         *distill,
         f"hydra.run.dir={workdir / 'hydra'}",
@@ -216,8 +227,9 @@ def prepare(recipe: str | os.PathLike, workdir: str | os.PathLike, *, steps: int
         "trainer.save_freq=-1",
         "trainer.logger=[console]",
         f"trainer.default_local_dir={workdir / 'checkpoints'}",
-        *overrides,
     ]
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    run_overrides = [o for o in base if o.split("=", 1)[0].lstrip("+~") not in given] + list(overrides)  # yours win
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(recipe.parent), "--config-name",
            recipe.stem, *run_overrides]
     env = {**os.environ, **CPU_ENV, "RAY_DEDUP_LOGS": "0", "TOKENIZERS_PARALLELISM": "false",
@@ -230,14 +242,24 @@ PRIME_ANSWERS = ("<action>up</action>", "<action>down</action>", "<action>left</
                  "<action>wall</action>")
 
 
-def primed_tiny_model(answers: Sequence[str] = PRIME_ANSWERS, steps: int = 150, seed: int = 0) -> str:
+#: a primed model's answers for CCM's memory context (after the ``<memory>`` pre-fill; about 16 tokens each with the
+#: tiny model's tokenizer: give the run a response_length of 24). Malformed memories come without asking: the tiny
+#: model still writes one in about half of the turns of a long Sokoban prompt.
+MEMORY_ANSWERS = ("box</memory><action>up</action>", "wall</memory><action>down</action>",
+                  "goal</memory><action>left</action>", "push</memory><action>right</action>")
+
+
+def primed_tiny_model(answers: Sequence[str] = PRIME_ANSWERS, steps: int = 150, seed: int = 0,
+                      context: str = "transcript") -> str:
     """The tiny local Qwen2, fitted for ``steps`` Adam steps to answer any prompt with one of ``answers`` (uniform).
 
     A random tiny model never writes ``<action>...</action>``, so every step of every episode gets the same
     invalid-action penalty and every group has zero variance: the estimators' advantages are all zero and a smoke
     run proves little. The primed model samples a mix of moves and invalid words, so episodes in a group differ
-    (returns, states) and the credit is non-zero. Cached under ``agentcredit.models.cache_dir()`` (a few seconds
-    to build once).
+    (returns, states) and the credit is non-zero. ``context="memory"`` primes for CCM's memory context instead: the
+    training prompts are memory prompts (``env_adapters.memory_context.memory_prompt`` of random words) ending with
+    the ``<memory>`` pre-fill; use it with :data:`MEMORY_ANSWERS`. Cached under ``agentcredit.models.cache_dir()`` (a
+    few seconds to build once).
     """
     import hashlib
     import shutil
@@ -245,7 +267,10 @@ def primed_tiny_model(answers: Sequence[str] = PRIME_ANSWERS, steps: int = 150, 
 
     from agentcredit.models import TINY, cache_dir, resolve_model
 
-    key = hashlib.sha256(repr((tuple(answers), steps, seed)).encode()).hexdigest()[:10]
+    if context not in ("transcript", "memory"):
+        raise ValueError(f"context={context!r}; use 'transcript' or 'memory'")
+    spec = (tuple(answers), steps, seed) + ((context,) if context != "transcript" else ())
+    key = hashlib.sha256(repr(spec).encode()).hexdigest()[:10]
     target = cache_dir() / "models" / f"{TINY}-primed-{key}"
     if (target / "config.json").exists():
         return str(target)
@@ -258,10 +283,21 @@ def primed_tiny_model(answers: Sequence[str] = PRIME_ANSWERS, steps: int = 150, 
     gen = torch.Generator().manual_seed(seed)
     words = ["#", "_", "P", "X", "O", "box", "wall", "you", "are", "at", "row", "the", "goal", "move"]
     examples = []
+    from env_adapters.memory_context import MEMORY_OPEN, memory_prompt
+
+    def text(lo: int, hi: int) -> str:
+        n = int(torch.randint(lo, hi, (1,), generator=gen))
+        return " ".join(words[int(j)] for j in torch.randint(len(words), (n,), generator=gen))
+
+    prefill = MEMORY_OPEN if context == "memory" else ""
     for i in range(64):
-        user = " ".join(words[int(j)] for j in torch.randint(len(words), (int(torch.randint(3, 30, (1,), generator=gen)),),
-                                                          generator=gen))
-        prompt = tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
+        if context == "memory":
+            user = memory_prompt(text(3, 20), None if i % 2 else text(1, 4), text(20, 120), ["up", "down", "left",
+                                                                                            "right"])
+        else:
+            user = text(3, 30)
+        prompt = tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
+                                         add_generation_prompt=True) + prefill
         answer = answers[i % len(answers)] + tok.eos_token
         p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
         a_ids = tok(answer, add_special_tokens=False)["input_ids"]

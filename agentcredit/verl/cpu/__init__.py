@@ -11,6 +11,7 @@ metrics; :mod:`agentcredit.verl.smoke`). Everything goes through verl's own regi
 * platform ``cpu`` (``PlatformRegistry``, :mod:`.platform`): selected by ``VERL_PLATFORM=cpu``, never auto-detected;
 * the FSDP engines (``FSDPEngineWithLMHead`` / ``FSDPEngineWithValueHead``) registered for device ``cpu`` too
   (``EngineRegistry``); run them as FSDP2 (FSDP1's ``sync_module_states`` fails with CPU parameters);
+* the reference policy's FSDP2 CPU-offload policy built without pinned memory (pinning needs an accelerator);
 * a plain ``gloo`` process group: verl asks for ``"cpu:gloo,{device}:{backend}"``, i.e. ``cpu:gloo,cpu:gloo``, which
   torch rejects ("Duplicate device type cpu"); the worker's binding of ``initialize_global_process_group_ray`` gets
   ``backend="gloo"`` when the platform is ``cpu`` and no backend was given;
@@ -61,8 +62,30 @@ def _patch_engine_workers(module) -> None:
     module.initialize_global_process_group_ray = wrap_init_process_group(module.initialize_global_process_group_ray)
 
 
+def _unpinned_offload_policy(orig):
+    """verl builds a forward-only engine (the reference policy) with ``CPUOffloadPolicy(pin_memory=True)``; pinning
+    needs an accelerator, so on the cpu platform the policy is built unpinned (the parameters live on the CPU
+    anyway)."""
+
+    def CPUOffloadPolicy(*args, **kwargs):  # noqa: N802 - stands in for the class of the same name
+        if on_cpu():
+            kwargs["pin_memory"] = False
+            args = ()
+        return orig(*args, **kwargs)
+
+    CPUOffloadPolicy.agentcredit_wrapped = orig
+    return CPUOffloadPolicy
+
+
 def _register_fsdp_for_cpu(module) -> None:
     from verl.workers.engine.base import EngineRegistry
+
+    policy = getattr(module, "CPUOffloadPolicy", None)
+    if policy is None:
+        raise VerlInternalsChanged("agentcredit: verl.workers.engine.fsdp.transformer_impl.CPUOffloadPolicy is gone; "
+                                   "the CPU backend cannot build the reference policy")
+    if not hasattr(policy, "agentcredit_wrapped"):
+        module.CPUOffloadPolicy = _unpinned_offload_policy(policy)
 
     for model_type, cls in (("language_model", module.FSDPEngineWithLMHead),
                             ("value_model", module.FSDPEngineWithValueHead)):
