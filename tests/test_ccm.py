@@ -125,12 +125,12 @@ def test_action_start_finds_the_first_action_token(tiny):
 def test_ccm_trainer_distills_action_tokens_only_from_a_frozen_initial_model(tmp_path, tiny, monkeypatch):
     from trl import GRPOConfig
 
-    from agentcredit.trl import ccm
+    from agentcredit.trl import ccm, rollouts
 
     tok, load = tiny
     # a scripted policy in the memory format (the random tiny model would never write it): good, malformed, bad
     scripts = ["k1</memory><action>right</action>", "oops<action>down</action>", "k2</memory><action>zz</action>"]
-    real = ccm._generate
+    real = rollouts._generate  # the episode engine's generation step (shared by both contexts)
     calls = {"n": 0}
 
     def scripted(model, tokenizer, prompts, gen_config, eos, pad, batch_size):
@@ -142,7 +142,7 @@ def test_ccm_trainer_distills_action_tokens_only_from_a_frozen_initial_model(tmp
             out.append((tokenizer(text, add_special_tokens=False)["input_ids"], text))
         return out
 
-    monkeypatch.setattr(ccm, "_generate", scripted)
+    monkeypatch.setattr(rollouts, "_generate", scripted)
     seen = []
 
     class Rec(ccm.MemoryTurnRollout):

@@ -40,23 +40,21 @@ from typing import Any
 
 import torch
 
-from credit_plugins.hashing import stable_hash
 from env_adapters.memory_context import MEMORY_OPEN, MemoryTrack, action_start, input_token_saving
-from env_adapters.prompting import parse_action
 
 from .rollouts import (
     ACTION_PREFIX,
-    ACTION_STOP,
     Episode,
+    TranscriptContext,
     TurnRecord,
     TurnRollout,
-    _eos_ids,
-    _generate,
     legal_actions,
+    play_episodes,
 )
 
 __all__ = [
     "CCMDistillMixin",
+    "MemoryContext",
     "MemoryTurnRecord",
     "MemoryTurnRollout",
     "action_start",
@@ -82,71 +80,44 @@ class MemoryTurnRecord(TurnRecord):
     malformed: bool = False
 
 
-def play_memory_episodes(model, tokenizer, specs, *, max_turns: int = 6, max_new_tokens: int = 32,
-                         temperature: float = 0.7, top_p: float = 1.0, top_k: int = 0, min_p: float | None = None,
-                         greedy: bool = False, system: str | None = None, batch_size: int = 64,
-                         **_: Any) -> list[Episode]:
-    """:func:`~agentcredit.trl.rollouts.play_episodes` in CCM's memory context (module docstring); the turns are
-    :class:`MemoryTurnRecord` s. The reward of a turn is the env's plus the invalid penalty of a malformed memory."""
-    from transformers import GenerationConfig
+class MemoryContext(TranscriptContext):
+    """CCM's memory context for :func:`~agentcredit.trl.rollouts.play_episodes`: each prompt holds the task, the
+    retained memory and the newest observation (``history_length`` and ``prompt`` are not used), the reply is
+    pre-filled with ``<memory>``; a turn becomes a :class:`MemoryTurnRecord` with the full-history teacher prompt
+    (ending with ``<action>``), the first action token, the memory and the malformed flag; its reward is the env's
+    plus the invalid penalty of a malformed memory."""
 
-    eos = _eos_ids(model, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    kw: dict[str, Any] = {"max_new_tokens": int(max_new_tokens), "pad_token_id": pad, "eos_token_id": eos,
-                              "stop_strings": [ACTION_STOP], "use_cache": True}
-    if greedy:
-        kw.update(do_sample=False)
-    else:
-        kw.update(do_sample=True, temperature=float(temperature), top_p=float(top_p), top_k=int(top_k or 0))
-        if min_p:
-            kw["min_p"] = float(min_p)
-    gen_config = GenerationConfig(**kw)
-    episodes = [Episode(seed=seed) for _, seed in specs]
-    tracks = [MemoryTrack(task=getattr(env, "task", "")) for env, _ in specs]
-    obs = [env.reset(seed) for env, seed in specs]
-    live = list(range(len(specs)))
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), torch.autocast("cpu", enabled=False):
-            for t in range(max_turns):
-                if not live:
-                    break
-                prompt_ids, teacher_ids = [], []
-                for i in live:
-                    legal = legal_actions(specs[i][0])
-                    prompt_ids.append(tokenizer(_chat(tokenizer, tracks[i].student_prompt(obs[i], legal), system,
-                                                      MEMORY_OPEN), add_special_tokens=False)["input_ids"])
-                    teacher_ids.append(tokenizer(_chat(tokenizer, tracks[i].teacher_prompt(obs[i], legal), system,
-                                                       ACTION_PREFIX), add_special_tokens=False)["input_ids"])
-                outs = _generate(model, tokenizer, prompt_ids, gen_config, set(eos), pad, batch_size)
-                still = []
-                for i, p_ids, t_ids, (c_ids, text) in zip(live, prompt_ids, teacher_ids, outs):
-                    env = specs[i][0]
-                    state = stable_hash(env.state_key())
-                    response = MEMORY_OPEN + text
-                    action_text = parse_action(response)
-                    key = env.action_key(action_text) if action_text is not None else None
-                    turn = tracks[i].step(obs[i], response, key)
-                    res = env.step(action_text)
-                    start = action_start(tokenizer, c_ids) if (key is not None and not turn.malformed) else -1
-                    episodes[i].turns.append(MemoryTurnRecord(
-                        t=t, prompt_ids=list(p_ids), completion_ids=list(c_ids), response=response,
-                        action_text=action_text, action_key=key, state=state,
-                        action=-1 if key is None else stable_hash(key), reward=float(res.reward) + turn.penalty,
-                        valid=key is not None, teacher_prompt_ids=list(t_ids), action_start=start,
-                        memory=turn.memory, malformed=turn.malformed))
-                    obs[i] = res.observation
-                    if res.done:
-                        episodes[i].success = bool(res.success)
-                    else:
-                        still.append(i)
-                live = still
-    finally:
-        model.train(was_training)
-    for i in live:
-        episodes[i].truncated = True
-    return episodes
+    prefill = MEMORY_OPEN
+
+    def __init__(self, tokenizer, n_episodes: int, *, system: str | None = None, **_: Any):
+        super().__init__(tokenizer, n_episodes, system=system)
+        self.tracks: list[MemoryTrack | None] = [None] * n_episodes
+        self.teacher_ids: list[list[int]] = [[] for _ in range(n_episodes)]
+
+    def prompt_ids(self, i: int, env, observation: str) -> list[int]:
+        if self.tracks[i] is None:
+            self.tracks[i] = MemoryTrack(task=getattr(env, "task", ""))
+        legal = legal_actions(env)
+        tok, track = self.tokenizer, self.tracks[i]
+        self.teacher_ids[i] = tok(_chat(tok, track.teacher_prompt(observation, legal), self.system, ACTION_PREFIX),
+                                  add_special_tokens=False)["input_ids"]
+        return tok(_chat(tok, track.student_prompt(observation, legal), self.system, MEMORY_OPEN),
+                   add_special_tokens=False)["input_ids"]
+
+    def record(self, i: int, observation: str, turn: dict[str, Any], env_reward: float) -> MemoryTurnRecord:
+        memory = self.tracks[i].step(observation, turn["response"], turn["action_key"])
+        eligible = turn["action_key"] is not None and not memory.malformed
+        start = action_start(self.tokenizer, turn["completion_ids"]) if eligible else -1
+        return MemoryTurnRecord(**turn, reward=float(env_reward) + memory.penalty,
+                                teacher_prompt_ids=list(self.teacher_ids[i]), action_start=start,
+                                memory=memory.memory, malformed=memory.malformed)
+
+
+def play_memory_episodes(model, tokenizer, specs, *, max_new_tokens: int = 32, **kwargs: Any) -> list[Episode]:
+    """:func:`~agentcredit.trl.rollouts.play_episodes` in CCM's memory context (:class:`MemoryContext`); the turns
+    are :class:`MemoryTurnRecord` s."""
+    kwargs.pop("context", None)
+    return play_episodes(model, tokenizer, specs, max_new_tokens=max_new_tokens, context=MemoryContext, **kwargs)
 
 
 def token_saving(episodes: Sequence[Episode]) -> dict[str, float]:
