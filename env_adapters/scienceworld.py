@@ -43,9 +43,10 @@ import json
 import random
 from typing import Any
 
-from .base import StepResult, check_snapshot, episode_seed, missing_package
+from .base import episode_seed, missing_package
 from .java import require_java
 from .prompting import INVALID_PENALTY
+from .replayed_game import ReplayedTextGame
 
 __all__ = ["SPLITS", "TASKS", "ScienceWorldAdapter"]
 
@@ -96,7 +97,7 @@ def _norm(text: str) -> str:
     return " ".join(text.strip().lower().split())
 
 
-class ScienceWorldAdapter:
+class ScienceWorldAdapter(ReplayedTextGame):
     """ScienceWorld tasks as an ``AgentEnv``.
 
     Args:
@@ -110,7 +111,13 @@ class ScienceWorldAdapter:
         invalid_penalty: reward of a step without a valid action (the state does not change).
         max_legal_actions: list at most this many in :meth:`legal_actions` (the prompt), most useful verbs first
             (None: all). Every admissible command is still accepted.
+
+    ``restore`` reloads the snapshot's task variation and replays its commands (:class:`~env_adapters.
+    replayed_game.ReplayedTextGame`, which also gives ``step``).
     """
+
+    name = "scienceworld"
+    snapshot_fields = ("task", "variation", "simplifications", "commands")
 
     def __init__(self, task: str = "find-living-thing", variation: int | None = None, split: str = "train",
                  simplifications: str = "", seed: int | None = None, score_reward: float = 0.1,
@@ -176,24 +183,6 @@ class ScienceWorldAdapter:
         self._start(variation)
         return self._last_obs
 
-    def step(self, action_text: str | None) -> StepResult:
-        if self._done:
-            raise RuntimeError("the episode is over; call reset() before step()")
-        key = self.action_key(action_text)
-        if key is None:
-            return StepResult(self._last_obs, self.invalid_penalty, False, False,
-                              {"valid": False, "action_key": None, "score": self._score, "moves": len(self._commands)})
-        before = self._score
-        self._play(key)
-        completed = bool(self._server.getCompleted())
-        self._solved = completed and self._score >= 100
-        failed = self._score < 0 or (completed and not self._solved)
-        self._done = self._solved or failed
-        reward = self.success_reward if self._solved else self.score_reward * (self._score - before)
-        return StepResult(self._last_obs, float(reward), self._done, self._solved,
-                          {"valid": True, "action_key": key, "failed": failed, "score": self._score,
-                           "moves": len(self._commands)})
-
     def state_key(self) -> str:
         if self._current is None:
             return ""
@@ -224,19 +213,12 @@ class ScienceWorldAdapter:
         return {"task": self.task_name, "variation": self._current, "simplifications": self.simplifications,
                 "commands": list(self._commands)}
 
-    def restore(self, snap: dict[str, Any]) -> None:
-        """Reload the snapshot's task variation and replay its commands."""
-        check_snapshot(snap, ("task", "variation", "simplifications", "commands"), "scienceworld")
+    def _start_snapshot(self, snap: dict[str, Any]) -> None:
         if (snap["task"], snap["simplifications"]) != (self.task_name, self.simplifications):
             raise ValueError(f"scienceworld.restore(...): the snapshot is of task {snap['task']!r} "
                              f"({snap['simplifications']!r}), this adapter plays {self.task_name!r} "
                              f"({self.simplifications!r})")
         self._start(int(snap["variation"]))
-        for cmd in snap["commands"]:
-            self._play(cmd)
-        completed = bool(self._server.getCompleted())
-        self._solved = completed and self._score >= 100
-        self._done = self._solved or self._score < 0 or completed
 
     # ---- ScienceWorld ---------------------------------------------------------------------------------------
     def walkthrough(self) -> list[str]:
@@ -275,14 +257,6 @@ class ScienceWorldAdapter:
         """ScienceWorld's sub-goal table of the current episode."""
         return str(self._server.getGoalProgressStr())
 
-    def close(self) -> None:
-        env, self._env = getattr(self, "_env", None), None
-        if env is not None:
-            try:
-                env.close()
-            except Exception:
-                pass
-
     def _start(self, variation: int) -> None:
         if self._loaded != (self.task_name, variation):
             self._server.load(self.task_name, int(variation), self.simplifications, False)
@@ -319,9 +293,10 @@ class ScienceWorldAdapter:
             self._by_norm = {_norm(a): a for a in acts}
         return self._legal
 
-    @property
-    def solved(self) -> bool:
-        return self._solved
+    def _score_now(self) -> int:
+        return self._score
 
-    def __del__(self):
-        self.close()
+    def _outcome(self) -> tuple[bool, bool]:
+        completed = bool(self._server.getCompleted())
+        solved = completed and self._score >= 100
+        return solved, self._score < 0 or (completed and not solved)

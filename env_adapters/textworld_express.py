@@ -43,9 +43,10 @@ import random
 import re
 from typing import Any
 
-from .base import StepResult, check_snapshot, episode_seed, missing_package
+from .base import episode_seed, missing_package
 from .java import require_java
 from .prompting import INVALID_PENALTY
+from .replayed_game import ReplayedTextGame
 
 __all__ = ["DEFAULT_PARAMS", "GAMES", "SPLITS", "TextWorldExpressAdapter"]
 
@@ -97,7 +98,7 @@ def _params_string(game: str, params: str | dict | None) -> str:
     raise ValueError(f"game_params={params!r}; give a 'key=value,key=value' string, a dict or None")
 
 
-class TextWorldExpressAdapter:
+class TextWorldExpressAdapter(ReplayedTextGame):
     """TextWorld-Express games as an ``AgentEnv``.
 
     Args:
@@ -109,7 +110,13 @@ class TextWorldExpressAdapter:
         score_reward: reward per unit of normalised score gained on a step that does not complete the task.
         success_reward: reward of the step that completes the task.
         invalid_penalty: reward of a step without a valid action (the state does not change).
+
+    ``restore`` regenerates the snapshot's game and replays its commands (:class:`~env_adapters.replayed_game.
+    ReplayedTextGame`, which also gives ``step``).
     """
+
+    name = "textworld_express"
+    snapshot_fields = ("game_seed", "commands")
 
     def __init__(self, game: str = "coin", game_params: str | dict | None = None, split: str = "train",
                  seed: int | None = None, score_reward: float = 1.0, success_reward: float = 10.0,
@@ -155,22 +162,6 @@ class TextWorldExpressAdapter:
         self._start(self._seeds[seed % len(self._seeds)])
         return self._last_obs
 
-    def step(self, action_text: str | None) -> StepResult:
-        if self._done:
-            raise RuntimeError("the episode is over; call reset() before step()")
-        key = self.action_key(action_text)
-        if key is None:
-            return StepResult(self._last_obs, self.invalid_penalty, False, False,
-                              {"valid": False, "action_key": None, **self._score_info()})
-        before = self._info["score"]
-        self._play(key)
-        s = self._info
-        self._solved = bool(s["tasksuccess"])
-        self._done = self._solved or bool(s["taskfailure"])
-        reward = self.success_reward if self._solved else self.score_reward * (s["score"] - before)
-        return StepResult(self._last_obs, float(reward), self._done, self._solved,
-                          {"valid": True, "action_key": key, "failed": bool(s["taskfailure"]), **self._score_info()})
-
     def state_key(self) -> str:
         if self._info is None:
             return ""
@@ -190,14 +181,8 @@ class TextWorldExpressAdapter:
     def snapshot(self) -> dict[str, Any]:
         return {"game_seed": self._game_seed, "commands": list(self._commands)}
 
-    def restore(self, snap: dict[str, Any]) -> None:
-        """Regenerate the snapshot's game and replay its commands."""
-        check_snapshot(snap, ("game_seed", "commands"), "textworld_express")
+    def _start_snapshot(self, snap: dict[str, Any]) -> None:
         self._start(int(snap["game_seed"]))
-        for cmd in snap["commands"]:
-            self._play(cmd)
-        self._solved = bool(self._info["tasksuccess"])
-        self._done = self._solved or bool(self._info["taskfailure"])
 
     # ---- TextWorld-Express ----------------------------------------------------------------------------------
     def walkthrough(self) -> list[str]:
@@ -208,14 +193,6 @@ class TextWorldExpressAdapter:
         gold = [str(a) for a in self._server.getGoldActionSequence()]
         self.restore(self.snapshot())  # the gold-path generation restarted the game
         return gold[1:] if gold and gold[0] == "look around" else gold
-
-    def close(self) -> None:
-        env, self._env = getattr(self, "_env", None), None
-        if env is not None:
-            try:
-                env.close()
-            except Exception:
-                pass
 
     def _start(self, game_seed: int) -> None:
         self._set(self._server.generateNewGameJSON(int(game_seed), self.split, False))
@@ -236,12 +213,8 @@ class TextWorldExpressAdapter:
         self._legal = sorted(str(a) for a in self._info["validActions"])
         self._by_norm = {_norm(a): a for a in self._legal}
 
-    def _score_info(self) -> dict[str, Any]:
-        return {"score": float(self._info["score"]), "moves": len(self._commands)}
+    def _score_now(self) -> float:
+        return float(self._info["score"])
 
-    @property
-    def solved(self) -> bool:
-        return self._solved
-
-    def __del__(self):
-        self.close()
+    def _outcome(self) -> tuple[bool, bool]:
+        return bool(self._info["tasksuccess"]), bool(self._info["taskfailure"])
