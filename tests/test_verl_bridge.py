@@ -404,8 +404,9 @@ def test_v1_uniopsd_rescores_failed_rows_under_the_successful_siblings_actions(t
     config.actor_rollout_ref.rollout.temperature = 0.7
     trainer = types.SimpleNamespace(config=config, tokenizer=_CharTokenizer(), actor_rollout_wg=group)
     metrics = {}
+    # verl's reference pass (before the advantage) leaves no_lora_adapter=True in the batch's extra_info
     batch = KVBatchMeta(partition_id="train", keys=list(keys), tags=[{"status": "success"}] * len(keys),
-                        extra_info={"temperature": 0.7})
+                        extra_info={"temperature": 0.7, "no_lora_adapter": True})
     PPOTrainer._compute_advantage(trainer, batch, metrics=metrics)
     adv = transfer_queue.kv_batch_get(keys=list(keys), partition_id="train", select_fields=["advantages"])["advantages"]
 
@@ -414,6 +415,7 @@ def test_v1_uniopsd_rescores_failed_rows_under_the_successful_siblings_actions(t
     part, hs_keys, info, prompts, responses = group.calls[0]
     assert part == PARTITION and len(hs_keys) == 3
     assert info["compute_loss"] is False and info["temperature"] == 0.7
+    assert info["no_lora_adapter"] is False  # the hindsight teacher is the current policy, adapter included
     hindsight = PEER_HINDSIGHT_HEADER + "1. up\n2. left\n\nabc"  # a_0's actions, then a_1's own prompt
     assert prompts == [[ord(c) for c in hindsight]] * 3
     assert responses == [[10] * RESP_LEN, [11] * RESP_LEN, [10] * RESP_LEN]  # a_1's own response tokens
@@ -624,6 +626,20 @@ def test_ccm_distillation_needs_a_reference_policy_and_memory_rows(transfer_queu
     trainer.use_reference_policy = False
     with pytest.raises(ValueError, match=r"reference policy.*use_kl_loss=true"):
         PPOTrainer._compute_advantage(trainer, batch, metrics={})
+
+
+@pytest.mark.parametrize("key,value", [("agentcredit_ccm", {"distill_lambda": 0.01}),
+                                       ("agentcredit_archive", "/tmp/never-written.jsonl")])
+def test_ccm_and_archive_with_verls_own_estimator_fail_instead_of_doing_nothing(transfer_queue, key, value):
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    config = _trainer_config("grpo")  # verl's own grpo: agentcredit's step never runs
+    config.algorithm[key] = value
+    keys = _write_rows(transfer_queue)
+    batch = KVBatchMeta(partition_id="train", keys=list(keys), tags=[{"status": "success"}] * len(keys))
+    with pytest.raises(ValueError, match=rf"algorithm.{key} acts in agentcredit's advantage step.*'grpo'.*gigpo"):
+        PPOTrainer._compute_advantage(types.SimpleNamespace(config=config), batch, metrics={})
 
 
 @pytest.mark.parametrize("block,match", [({"distill_lambda": -1}, "distill_lambda=-1"),

@@ -434,7 +434,7 @@ class TurnRollout:
         return out
 
     def _play(self, model, tokenizer, specs, **kwargs) -> list[Episode]:
-        """The episode engine (:func:`play_episodes`; the CCM memory rollout plays its own)."""
+        """The episode engine (:func:`play_episodes`; the CCM memory rollout plays it with ``context=MemoryContext``)."""
         return play_episodes(model, tokenizer, specs, **kwargs)
 
     def _before_step(self, model, tokenizer, trainer):

@@ -160,7 +160,7 @@ def make_verl_estimator(estimator: Estimator):
         scores = scores.to(response_mask.device)
         adv = (scores if scores.ndim == 2 else scores.unsqueeze(-1)) * response_mask
         if meta.token_bonus is not None:  # CCM's distillation term (agentcredit.verl.ccm), on the response tokens
-            adv = adv + _padded(meta.token_bonus, response_mask).to(adv.dtype) * response_mask
+            adv = adv + _padded(meta.token_bonus, response_mask).to(device=adv.device, dtype=adv.dtype) * response_mask
         return adv, adv
 
     compute.__name__ = f"agentcredit_{estimator.name}"

@@ -237,11 +237,11 @@ class EnvAgentLoop(AgentLoopBase):
                 prompt_ids = await self.ct_build_initial_tokens(system + [{"role": "user", "content": user}])
             else:  # CCM: task + memory + newest observation, the reply pre-filled with "<memory>"
                 prefill = self.tokenizer.encode(MEMORY_OPEN, add_special_tokens=False)
-                prompt_ids = await self.ct_build_initial_tokens(
-                    system + [{"role": "user", "content": track.student_prompt(observation, actions)}]) + prefill
+                prompt_ids = self._cap_text_prompt_length(await self.ct_build_initial_tokens(
+                    system + [{"role": "user", "content": track.student_prompt(observation, actions)}]) + prefill)
                 full = self.tokenizer.apply_chat_template(  # never sent to the rollout (and never capped)
                     system + [{"role": "user", "content": track.teacher_prompt(observation, actions)}],
-                    add_generation_prompt=True, tokenize=False)
+                    add_generation_prompt=True, tokenize=False, **dict(self.apply_chat_template_kwargs or {}))
                 teacher_ids = self.tokenizer.encode(full + ACTION_OPEN, add_special_tokens=False)
                 ccm = {"prompt_tokens": len(prompt_ids),
                        "full_prompt_tokens": len(self.tokenizer.encode(full, add_special_tokens=False)) + len(prefill),

@@ -188,8 +188,8 @@ def score_prompts(trainer, batch, rows: Sequence[int], prompts: Sequence[Sequenc
         extra_info = dict(getattr(batch, "extra_info", None) or {})
         extra_info.update(calculate_entropy=False, compute_loss=False,
                           temperature=trainer.config.actor_rollout_ref.rollout.temperature)
-        if reference and in_actor:
-            extra_info["no_lora_adapter"] = True
+        # verl's own reference pass leaves no_lora_adapter=True in batch.extra_info: set it for this pass only
+        extra_info["no_lora_adapter"] = bool(reference and in_actor)
         meta = KVBatchMeta(keys=hs_keys, tags=tags, partition_id=PARTITION, extra_info=extra_info)
         output = wg.compute_log_prob(meta) if in_actor else wg.compute_ref_log_prob(meta)
         if output is not None and len(output) != len(hs_keys):

@@ -67,6 +67,13 @@ def wrap_v1_compute_advantage(orig):
 
     def _compute_advantage(self, batch, metrics):
         if _name(self.config.algorithm.adv_estimator) not in OURS:
+            asked = [k for k, on in (("agentcredit_archive", archive_path(self.config.algorithm) is not None),
+                                     ("agentcredit_ccm", ccm_params(self.config.algorithm) is not None)) if on]
+            if asked:
+                raise ValueError(f"algorithm.{asked[0]} acts in agentcredit's advantage step, which runs only for an "
+                                 f"agentcredit estimator; algorithm.adv_estimator="
+                                 f"{_name(self.config.algorithm.adv_estimator)!r} is verl's own. Use one of ours (for "
+                                 f"GRPO: adv_estimator=gigpo with algorithm.gigpo.step_weight=0)")
             return orig(self, batch, metrics)
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["extra_fields"])
         rows = data["extra_fields"]
