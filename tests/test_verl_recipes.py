@@ -85,6 +85,8 @@ DISTILL_RECIPES = {"opw": "gigpo"}
 ESTIMATOR_OF = {**DISTILL_RECIPES, "ccm": "gigpo"}
 #: agentcredit's distillation block: a raw extra key of ``algorithm`` (verl never turns it into a dataclass)
 DISTILL_BLOCK = "algorithm.agentcredit_distill"
+#: every raw ``algorithm`` block of agentcredit's (distillation, CCM's distillation term, the ROSS archive)
+AGENTCREDIT_BLOCKS = (DISTILL_BLOCK, "algorithm.agentcredit_ccm", "algorithm.agentcredit_archive")
 
 
 def _expected_estimator(name: str) -> str:
@@ -116,8 +118,15 @@ def test_recipe_keys_exist_in_verl(name, base):
         return True
 
     unknown = [path for top, value in raw.items() if top not in HYDRA_KEYS
-               for path, _ in _leaves(value, top) if not exists(path) and not path.startswith(DISTILL_BLOCK + ".")]
+               for path, _ in _leaves(value, top)
+               if not exists(path) and not any(path == b or path.startswith(b + ".") for b in AGENTCREDIT_BLOCKS)]
     assert not unknown, f"{name}: keys not in verl 0.9.1's ppo_trainer / agentcredit_ppo: {unknown}"
+
+
+def test_ccm_recipe_block_is_valid(composed):
+    from agentcredit.verl.ccm import ccm_params
+
+    assert ccm_params(composed["alfworld_ccm"].algorithm) == (0.01, 5.0)
 
 
 @pytest.mark.parametrize("name", NAMES)
