@@ -134,7 +134,7 @@ def _config(step_weight=0.5, logprobs=False):
     })
 
 
-def _fake_worker(config, server, tokenizer, teacher=None):
+def _fake_worker(config, server, tokenizer):
     """An ``AgentLoopWorkerTQ`` without its constructor (which loads the model config and starts ray clients): the
     attributes its methods read, and its real methods ``_run_agent_loop``, ``_agent_loop_postprocess``,
     ``_compute_score`` (no reward workers: the loop scores itself), ``_compute_teacher_logprobs`` (distillation
@@ -145,16 +145,14 @@ def _fake_worker(config, server, tokenizer, teacher=None):
     worker_cls = AgentLoopWorkerTQ.__ray_metadata__.modified_class
     fake = types.SimpleNamespace(config=config, llm_client=server, tokenizer=tokenizer, processor=None,
                                  hf_model_type="qwen2", dataset_cls=RLHFDataset, tools=[], mm_processor_kwargs={},
-                                 reward_loop_worker_handles=None, distillation_enabled=False,
-                                 teacher_client=None if teacher is None else {"teacher": teacher})
+                                 reward_loop_worker_handles=None, distillation_enabled=False)
     for name in ("_run_agent_loop", "_agent_loop_postprocess", "_compute_score", "_compute_teacher_logprobs",
                  "_compute_multi_modal_inputs", "_compute_position_ids", "_get_mm_processor_kwargs"):
         setattr(fake, name, functools.partial(getattr(worker_cls, name), fake))
     return fake
 
 
-def _rollout_group(config, servers, tokenizer, uid, max_steps=None, agent_name="agentcredit_env", teacher=None,
-                   validate=False, global_steps=1, **fields):
+def _rollout_group(config, servers, tokenizer, uid, max_steps=None, agent_name="agentcredit_env", **fields):
     """``rollout.n`` sessions of one prompt, as ``AgentLoopWorkerTQ._run_prompt`` starts them (each through the
     real ``AgentLoopWorker._run_agent_loop``: registry lookup, hydra instantiation, run, post-processing)."""
     from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
@@ -162,7 +160,7 @@ def _rollout_group(config, servers, tokenizer, uid, max_steps=None, agent_name="
     import agentcredit.verl.agent_loop  # noqa: F401  (registers agentcredit_env)
 
     assert agent_name in _agent_loop_registry
-    prompt = dict(uid=uid, global_steps=global_steps, index=0, data_source="minigrid", agent_name=agent_name,
+    prompt = dict(uid=uid, global_steps=1, index=0, data_source="minigrid", agent_name=agent_name,
                   raw_prompt=[{"role": "system", "content": "You play grid games."}])
     prompt.update(fields or dict(env_name="minigrid", env_options=dict(ENV_OPTIONS), seed=SEED,
                                  extra_info={"max_steps": max_steps}))
@@ -171,8 +169,8 @@ def _rollout_group(config, servers, tokenizer, uid, max_steps=None, agent_name="
                     repetition_penalty=1.0, logprobs=rollout.calculate_log_probs)
 
     async def run_all():
-        tasks = [_fake_worker(config, server, tokenizer, teacher)._run_agent_loop(
-            sampling, {"step": 1, "sample_index": 0, "rollout_n": i, "validate": validate}, trace=False,
+        tasks = [_fake_worker(config, server, tokenizer)._run_agent_loop(
+            sampling, {"step": 1, "sample_index": 0, "rollout_n": i, "validate": False}, trace=False,
             session_id=i, **prompt) for i, server in enumerate(servers)]
         await asyncio.gather(*tasks)
 
@@ -190,7 +188,7 @@ def _run_advantage(tq, keys, tags, config):
     return list(adv.unbind(0)), metrics
 
 
-def _rows(tq, uid, n_sessions, partition="train"):
+def _rows(tq, uid, n_sessions):
     """The stored rows of ``uid``: ``{session: [row dict, ...]}`` found by probing the ``{uid}_{s}_{i}`` keys."""
     out = {}
     for s in range(n_sessions):
@@ -198,7 +196,7 @@ def _rows(tq, uid, n_sessions, partition="train"):
         while True:
             key = f"{uid}_{s}_{i}"
             try:
-                data = tq.kv_batch_get(keys=[key], partition_id=partition,
+                data = tq.kv_batch_get(keys=[key], partition_id="train",
                                        select_fields=["extra_fields", "rm_scores", "responses", "response_mask"])
             except Exception:
                 break
@@ -446,41 +444,6 @@ def test_memory_context_keeps_a_memory_instead_of_the_transcript(transfer_queue,
     expected = 1 - sum(e["prompt_tokens"] for e in every) / sum(e["full_prompt_tokens"] for e in every)
     assert metrics["agentcredit/ccm_input_saving"] == pytest.approx(expected)
     assert metrics["agentcredit/ccm_malformed_memory"] == pytest.approx(2 / 6)
-
-
-@pytest.mark.parametrize("case", ["guided", "decayed", "validation"])
-def test_guided_schedule_lets_the_distillation_teacher_write_turns(transfer_queue, model_and_tokenizer, case):
-    """Guided-OPD on verl (agentcredit.verl.guided): with the guided schedule at p = 1 every turn comes from the
-    worker's teacher client and none of its tokens is trained; once p has decayed to 0, and in validation, the
-    policy writes every turn."""
-    model, tok = model_and_tokenizer
-    config = _config()
-    decay = {"guided": 10**6, "decayed": 1, "validation": 10**6}[case]  # global step 1 = schedule step 0
-    config.algorithm.agentcredit_distill = {"schedule": "guided", "params": {"p0": 1.0, "decay_steps": decay}}
-    teacher, student = HFServer(model, tok, ["turn left"] * 3), HFServer(model, tok, ["turn right"] * 3)
-    uid = f"guided_{case}"
-    step = {"guided": 1, "decayed": 2, "validation": 1}[case]
-    _rollout_group(config, [student], tok, uid=uid, max_steps=3, teacher=teacher, validate=case == "validation",
-                   global_steps=step)
-    steps = _rows(transfer_queue, uid, 1, partition="val" if case == "validation" else "train")[0]
-    guided = case == "guided"
-    assert len(teacher.calls) == (3 if guided else 0) and len(student.calls) == (0 if guided else 3)
-    assert [r["extra"]["by_teacher"] for r in steps] == [guided] * 3
-    assert [r["extra"]["action_key"] for r in steps] == ["turn left" if guided else "turn right"] * 3
-    assert all(bool(r["response_mask"].any()) != guided for r in steps)  # teacher turns: nothing trained
-    if guided:
-        keys = _keys({0: steps})
-        _, metrics = _run_advantage(transfer_queue, keys, [{"status": "success"}] * len(keys), config)
-        assert metrics["agentcredit/guided_teacher_turns"] == 1.0
-
-
-def test_guided_schedule_needs_one_teacher(transfer_queue, model_and_tokenizer):
-    model, tok = model_and_tokenizer
-    config = _config()
-    config.algorithm.agentcredit_distill = {"schedule": "guided", "params": {"p0": 1.0, "decay_steps": 10}}
-    with pytest.raises(ValueError, match=r"0 teacher client\(s\).*exactly one distillation teacher"):
-        _rollout_group(config, [HFServer(model, tok, ["turn left"])], tok, uid="guided_none", max_steps=1,
-                       global_steps=1)
 
 
 def test_an_unknown_context_is_refused_naming_the_choices():

@@ -60,7 +60,6 @@ response tokens with ``response_mask`` 1 (at most ``rollout.response_length``), 
     success      the episode ended in success (same on every row of the episode)
     truncated    the episode hit max_steps without a terminal state (same on every row)
     valid        the action was admissible (bool)
-    by_teacher   Guided-OPD's teacher wrote this turn (bool; its response_mask is all 0; agentcredit.verl.guided)
     signature    MVPO's viability signature: ``anchor_key|d<3 * (t // 3)>`` (the state and its depth bin)
     min_global_steps / max_global_steps   the rollout server's weight versions (None when it reports none)
     reward_extra_info   {"success": 0/1, "episode_return": sum r_t, "episode_steps": T}
@@ -104,8 +103,6 @@ from credit_plugins.estimators.mvpo import default_signature
 from env_adapters.descriptors import DESCRIPTOR, step_descriptor
 from env_adapters.memory_context import ACTION_OPEN, MEMORY_OPEN, MemoryTrack, action_start
 from env_adapters.prompting import build_prompt, parse_action
-
-from .guided import turn_guide
 
 __all__ = ["EnvAgentLoop", "AGENT_NAME", "SAMPLE_FIELDS"]
 
@@ -190,10 +187,9 @@ class EnvAgentLoop(AgentLoopBase):
         return env_adapters.make(name, **options)
 
     async def _generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
-                        priority: int = 0, server=None):
-        """One model turn, called as ``SingleTurnAgentLoop`` calls verl's ``LLMServerClient.generate`` (``server``:
-        another client of the same kind, e.g. Guided-OPD's teacher; default the policy's)."""
-        return await (server or self.server_manager).generate(
+                        priority: int = 0):
+        """One model turn, called as ``SingleTurnAgentLoop`` calls verl's ``LLMServerClient.generate``."""
+        return await self.server_manager.generate(
             request_id=request_id,
             prompt_ids=prompt_ids,
             sampling_params=sampling_params,
@@ -232,7 +228,6 @@ class EnvAgentLoop(AgentLoopBase):
         steps: list[dict[str, Any]] = []
         done = success = False
         track = MemoryTrack(task=getattr(env, "task", "")) if self.context == "memory" else None
-        guide = turn_guide(self.config, kwargs)  # Guided-OPD (agentcredit.verl.guided), else None
         for t in range(max_steps):
             anchor = env.state_key()
             actions = legal() if legal is not None else None
@@ -252,19 +247,12 @@ class EnvAgentLoop(AgentLoopBase):
                        "full_prompt_tokens": len(self.tokenizer.encode(full, add_special_tokens=False)) + len(prefill),
                        "ccm_teacher_prompt_ids": teacher_ids}
             metrics: dict[str, Any] = {}
-            by_teacher = guide is not None and guide.teacher_turn()  # Guided-OPD: the teacher writes this turn
             with simple_timer("generate_sequences", metrics):
-                if by_teacher:
-                    out = await self._generate(prompt_ids, sampling_params, uuid4().hex, int(priority),
-                                               server=guide.client)
-                else:
-                    out = await self._generate(prompt_ids, sampling_params, request_id, int(priority))
+                out = await self._generate(prompt_ids, sampling_params, request_id, int(priority))
             metrics["num_preempted"] = out.num_preempted if out.num_preempted is not None else -1
             merge, response_mask, response_logprobs = await self.ct_merge_assistant_token(
                 prompt_ids, out.token_ids, [], [] if out.log_probs else None,
                 assistant_logprobs=out.log_probs if out.log_probs else None)
-            if by_teacher:  # guidance, not a training target: none of its tokens is trained
-                response_mask = [0] * len(response_mask)
             response_ids = merge.token_ids[-len(response_mask):] if response_mask else []
             prompt_ids = merge.token_ids[: len(merge.token_ids) - len(response_mask)]
             if not response_ids:  # an empty generation: one masked-out token, so verl's rm_scores[-1] exists
@@ -295,7 +283,6 @@ class EnvAgentLoop(AgentLoopBase):
                 metrics=metrics, server_extra=dict(out.extra_fields or {}),
                 extra={"step_idx": t, "anchor_key": anchor, "action_key": action_key,
                        "step_reward": float(result.reward) + penalty, "valid": action_key is not None,
-                       "by_teacher": by_teacher,
                        "signature": step_signature(anchor, t), **more}))
             history.append((observation, action_key))
             observation = result.observation

@@ -11,8 +11,7 @@ post-import hooks (``wrapt``); ``import distill_plugins`` never imports verl. Wh
   micro-batch the loss sees); ``_save_checkpoint`` / ``_load_checkpoint`` save and restore the scheduler state
   (``agentcredit_distill_scheduler.pt`` in each ``global_step_N`` folder);
 * ``verl.trainer.ppo.v1.agent_loop_tq``: ``AgentLoopWorkerTQ._agent_loop_postprocess`` scores every output of a
-  multi-output agent loop under the teacher, not only the last one (see "Every turn is scored" below), and
-  ``_run_agent_loop`` hands the worker's teacher to the agent loop for Guided-OPD (:mod:`agentcredit.verl.guided`).
+  multi-output agent loop under the teacher, not only the last one (see "Every turn is scored" below).
 
 Every turn is scored: verl 0.9.1's ``AgentLoopWorkerTQ._agent_loop_postprocess(self, output, validate, **kwargs)``
 takes the list of ``AgentLoopOutput`` an agent loop returns (``agentcredit_env``: one per env step), puts each into
@@ -561,13 +560,6 @@ def _patch_agent_loop_tq(module) -> None:
     for cls in classes:
         if name in cls.__dict__:
             setattr(cls, name, wrap_agent_loop_postprocess(cls.__dict__[name]))
-    from .guided import wrap_run_agent_loop  # Guided-OPD: the session's teacher, for the agent loop
-
-    for cls in classes:
-        if getattr(cls, "_run_agent_loop", None) is None:
-            raise VerlInternalsChanged(f"agentcredit: verl's AgentLoopWorkerTQ has no _run_agent_loop; this bridge "
-                                       f"supports {SUPPORTED}")
-        setattr(cls, "_run_agent_loop", wrap_run_agent_loop(cls._run_agent_loop))
 
 
 @wraps_once("distill", "PPOTrainer._update_actor(self, batch, metrics)", ("self", "batch", "metrics"))
