@@ -561,3 +561,17 @@ def test_tree_loop_grows_one_tree_per_sample_and_verl_computes_tree_credit(trans
                                                        for e in ex]),
                                  "surprisal": np.asarray([e["surprisal"] for e in ex])})
     assert torch.allclose(per_row, cp.get("at2po")(steps), atol=1e-6)
+
+
+def test_the_wrapped_agent_loop_worker_method_pickles_for_ray():
+    """Ray ships the agent-loop worker class to its process by value: agentcredit's wrap of its postprocessing must
+    pickle (a wrap whose closure reaches an unpicklable global, e.g. a ContextVar, breaks every verl run at start-up;
+    found by a CPU smoke run of a later wrap)."""
+    import ray.cloudpickle as cloudpickle
+    from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
+
+    from agentcredit.verl._compat import is_wrapped
+
+    method = AgentLoopWorkerTQ.__ray_metadata__.modified_class._agent_loop_postprocess
+    assert is_wrapped(method, "distill")
+    cloudpickle.loads(cloudpickle.dumps(method))
