@@ -834,37 +834,10 @@ def test_default_signature_is_the_state_and_its_depth_bin():
 def test_mvpo_trains_in_a_real_grpo_trainer_on_a_turn_rollout_without_signatures(tmp_path, credit, params):
     """The TRL turn rollout gives no ``signature``; the bridge derives MVPO's from the state and the depth bin, as
     the verl env loop does (a run used to stop with "estimator 'mvpo' needs extras['signature']")."""
-    import os
-
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     pytest.importorskip("trl")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+    from .trl_runs import train_turn_rollout_step
 
-    from agentcredit.models import resolve_model
-    from agentcredit.trl import make_trainer
-    from agentcredit.trl.rollouts import TurnRollout
-
-    path = resolve_model("tiny-qwen2")
-    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
-    rollout = TurnRollout("minigrid", {"size": 5, "moves": "absolute", "view": "coords"}, max_turns=4,
-                          max_new_tokens=4)
-    seen = []
-
-    class Spy(make_trainer(GRPOTrainer, credit=credit, **params)):
-        def _agentcredit_table(self, *args, **kwargs):
-            steps = super()._agentcredit_table(*args, **kwargs)
-            seen.append(steps)
-            return steps
-
-    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, num_generations=12, per_device_train_batch_size=12,
-                      max_completion_length=4, report_to="none", logging_steps=1, use_cpu=True, bf16=False,
-                      save_strategy="no", temperature=1.0)
-    trainer = Spy(model=model, processing_class=tok, reward_funcs=[rollout.reward_func], rollout_func=rollout,
-                  train_dataset=TurnRollout.dataset(range(4)), args=args)
-    trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    assert len(losses) == 1 and math.isfinite(losses[0])
+    seen = train_turn_rollout_step(credit, params, str(tmp_path), max_turns=4)
     steps = seen[0]
     # the signature is a function of (state, depth bin): equal states in one bin share it, bins 0 and 3 differ
     sig, state, t = steps.extra("signature"), steps.state, steps.t

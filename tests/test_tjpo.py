@@ -257,35 +257,8 @@ def test_verl_contract_carries_the_descriptor_extra_field_into_the_table():
                                            ("mix", {"parts": {"grpo": 0.5, "tjpo": 0.5}})])
 def test_tjpo_trains_in_a_real_grpo_trainer_with_the_rollouts_descriptors(tmp_path, credit, params):
     """End to end on TRL: TurnRollout(descriptors=True) -> agentcredit_extras -> StepTable extra -> tjpo."""
-    import os
+    from .trl_runs import train_turn_rollout_step
 
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
-
-    from agentcredit.models import resolve_model
-    from agentcredit.trl import make_trainer
-    from agentcredit.trl.rollouts import TurnRollout
-
-    path = resolve_model("tiny-qwen2")
-    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
-    rollout = TurnRollout("minigrid", {"size": 5, "moves": "absolute", "view": "coords"}, max_turns=3,
-                          max_new_tokens=4, descriptors=True)
-    seen = []
-    cls = make_trainer(GRPOTrainer, credit=credit, **params)
-
-    class Spy(cls):
-        def _agentcredit_table(self, *args, **kwargs):
-            steps = super()._agentcredit_table(*args, **kwargs)
-            seen.append(steps.extra("descriptor"))
-            return steps
-
-    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, num_generations=12, per_device_train_batch_size=12,
-                      max_completion_length=4, report_to="none", logging_steps=1, use_cpu=True, bf16=False,
-                      save_strategy="no", temperature=1.0)
-    trainer = Spy(model=model, processing_class=tok, reward_funcs=[rollout.reward_func], rollout_func=rollout,
-                  train_dataset=TurnRollout.dataset(range(4)), args=args)
-    trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    assert len(losses) == 1 and math.isfinite(losses[0])
+    seen = [steps.extra("descriptor") for steps in
+            train_turn_rollout_step(credit, params, str(tmp_path), max_turns=3, descriptors=True)]
     assert seen and seen[0].ndim == 2 and seen[0].shape[1] == 24 and bool((seen[0].sum(1) > 0).all())

@@ -44,6 +44,42 @@ def train_plain(trainer_cls, output_dir: str, steps: int = 3, batch: int = 8, nu
     return trainer
 
 
+def train_turn_rollout_step(credit: str, params: dict, output_dir: str, **rollout_options) -> list:
+    """One real GRPOTrainer step of ``make_trainer(GRPOTrainer, credit=credit, **params)`` on the tiny model with a
+    5x5 MiniGrid ``TurnRollout`` (``rollout_options`` over ``max_new_tokens=4``); asserts the step logged one finite
+    loss and returns the StepTables the bridge built (one per ``_agentcredit_table`` call)."""
+    import math
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from agentcredit.models import resolve_model
+    from agentcredit.trl import make_trainer
+    from agentcredit.trl.rollouts import TurnRollout
+
+    path = resolve_model("tiny-qwen2")
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+    rollout = TurnRollout("minigrid", {"size": 5, "moves": "absolute", "view": "coords"},
+                          **{"max_new_tokens": 4, **rollout_options})
+    seen = []
+
+    class Spy(make_trainer(GRPOTrainer, credit=credit, **params)):
+        def _agentcredit_table(self, *args, **kwargs):
+            steps = super()._agentcredit_table(*args, **kwargs)
+            seen.append(steps)
+            return steps
+
+    args = GRPOConfig(output_dir=output_dir, max_steps=1, num_generations=12, per_device_train_batch_size=12,
+                      max_completion_length=4, report_to="none", logging_steps=1, use_cpu=True, bf16=False,
+                      save_strategy="no", temperature=1.0)
+    trainer = Spy(model=model, processing_class=tok, reward_funcs=[rollout.reward_func], rollout_func=rollout,
+                  train_dataset=TurnRollout.dataset(range(4)), args=args)
+    trainer.train()
+    step_losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(step_losses) == 1 and math.isfinite(step_losses[0])
+    return seen
+
+
 def losses(trainer) -> list[tuple[float, float]]:
     return [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
 
