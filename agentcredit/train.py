@@ -138,10 +138,16 @@ def _adapt_model(model, recipe: Recipe):
 def _evaluate(bridge, model, tokenizer, recipe: Recipe):
     import torch
 
+    from .recipe import rollout_class
+
     ac, ev = recipe.agentcredit, recipe.agentcredit.eval
+    # the context the policy is trained in (CCM's memory prompt for rollout: memory); the transcript otherwise
+    context = getattr(rollout_class(ac.rollout), "context", None) if ac.bridge == "rollout_func" else None
     kwargs = dict(max_turns=ac.max_turns, temperature=ev.temperature, greedy=ev.greedy, prompt=ac.prompt,
                   max_new_tokens=ac.max_new_tokens, batch_size=ev.batch_size, system=ac.system,
                   history_length=ac.history_length, sampling_seed=ev.sampling_seed)
+    if context is not None:
+        kwargs["context"] = context
     was_training = model.training
     model.eval()
     try:

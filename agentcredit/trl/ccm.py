@@ -137,6 +137,7 @@ class MemoryTurnRollout(TurnRollout):
     alone)."""
 
     FIELDS_CCM = ("agentcredit_teacher_prompt_ids", "agentcredit_action_start")
+    context = MemoryContext
 
     def __init__(self, env: str, env_options: dict | None = None, max_turns: int = 6, max_new_tokens: int = 32,
                  prompt: str = "compact", history_length: int = 0, system: str | None = None,
@@ -150,9 +151,6 @@ class MemoryTurnRollout(TurnRollout):
                              f"{distill_lambda}, {distill_beta}")
         self.ccm_distill = (float(distill_lambda), float(distill_beta))
         self.__name__ = "MemoryTurnRollout"
-
-    def _play(self, model, tokenizer, specs, **kwargs) -> list[Episode]:
-        return play_memory_episodes(model, tokenizer, specs, **kwargs)
 
     def __call__(self, prompts: list[str], trainer) -> dict[str, Any]:
         out = super().__call__(prompts, trainer)

@@ -315,6 +315,10 @@ class TurnRollout:
     padding rows (``agentcredit_traj = -1``, ``env_mask = [0]``) in the unused slots.
     """
 
+    #: what each prompt holds (:func:`play_episodes`' ``context``); the held-out eval of ``agentcredit train``
+    #: plays the same one, so a memory-context policy is measured in the context it was trained in
+    context: type[TranscriptContext] = TranscriptContext
+
     FIELDS = ("agentcredit_traj", "agentcredit_t", "agentcredit_state", "agentcredit_action", "agentcredit_reward",
               "agentcredit_success", "agentcredit_truncated", "agentcredit_valid")
 
@@ -434,8 +438,8 @@ class TurnRollout:
         return out
 
     def _play(self, model, tokenizer, specs, **kwargs) -> list[Episode]:
-        """The episode engine (:func:`play_episodes`; the CCM memory rollout plays it with ``context=MemoryContext``)."""
-        return play_episodes(model, tokenizer, specs, **kwargs)
+        """The episode engine: :func:`play_episodes` in this rollout's :attr:`context`."""
+        return play_episodes(model, tokenizer, specs, context=self.context, **kwargs)
 
     def _before_step(self, model, tokenizer, trainer):
         """The per-turn hook of :func:`play_episodes` (None here; subclasses add per-row extras)."""
@@ -526,8 +530,9 @@ class EvalResult:
 def evaluate(model, tokenizer, env: str, env_options: dict | None, seeds: Iterable[int], max_turns: int = 6,
              temperature: float = 0.7, greedy: bool = False, prompt: str = "compact", max_new_tokens: int = 8,
              batch_size: int = 64, system: str | None = None, history_length: int = 0,
-             sampling_seed: int | None = 0) -> EvalResult:
-    """Play one episode per seed (sampled at ``temperature``, or greedy) and summarise it.
+             sampling_seed: int | None = 0, context: type[TranscriptContext] = TranscriptContext) -> EvalResult:
+    """Play one episode per seed (sampled at ``temperature``, or greedy) and summarise it; ``context`` is
+    :func:`play_episodes`' (CCM's memory context: :class:`agentcredit.trl.ccm.MemoryContext`).
 
     Reproducible: the episodes use the env seeds ``seeds`` and the sampling stream ``torch.manual_seed(sampling_seed)``
     (forked, so the caller's random state is left as it was), so the same model evaluated twice gives the same
@@ -545,7 +550,7 @@ def evaluate(model, tokenizer, env: str, env_options: dict | None, seeds: Iterab
             torch.manual_seed(int(sampling_seed))
         episodes = play_episodes(model, tokenizer, specs, max_turns=max_turns, max_new_tokens=max_new_tokens,
                                  temperature=temperature, greedy=greedy, prompt=prompt, batch_size=batch_size,
-                                 system=system, history_length=history_length)
+                                 system=system, history_length=history_length, context=context)
     s = _stats(episodes)
     wins = sum(e.success for e in episodes)
     return EvalResult(n_episodes=len(episodes), success_rate=s["success_rate"],
