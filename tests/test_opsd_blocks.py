@@ -55,6 +55,26 @@ def test_uniopsd_blocks_do_not_change_the_result(steps, p, block):
 
 
 @SETTINGS
+@given(uniopsd_batches(), uniopsd_params)
+def test_uniopsd_call_keeps_no_token_terms_and_last_terms_are_the_exact_ones(steps, p):
+    """The stateful call writes float32 block by block (no [S, L] float64 term); ``last_terms``, computed on access,
+    are the terms of the last batch from the state before it, bit for bit."""
+    params = uni_mod.UniOPSDParams(**p)
+    est = uni_mod.UniOPSD(params)
+    assert est.last_terms is None
+    est(steps)
+    before_second = est.state_dict()
+    out = est(steps)
+    fast, _, out32 = uni_mod._batch(steps, params, before_second, want32=True, keep=False)
+    if out32 is not None:  # the fast path (it falls back to the kept terms when float32 cannot hold the output)
+        assert fast.delta is None and fast.mask is None and fast.advantage is None
+        assert torch.equal(out32, out)
+    ref, _ = uni_mod.uniopsd_terms(steps, params, before_second)
+    _terms_equal(ref, est.last_terms)
+    assert torch.equal(out, steps.to_input_order(ref.advantage).to(torch.float32))
+
+
+@SETTINGS
 @given(st.data())
 def test_alignopsd_blocks_do_not_change_the_result(data):
     p = data.draw(alignopsd_params())

@@ -186,14 +186,15 @@ def row_blocks(n_rows: int, width: int) -> list[tuple[int, int]]:
 
 @dataclass
 class TokenRows:
-    """The token blocks reduced per row (sorted order): what the per-row pieces read from ``[S, L]``."""
+    """The token blocks reduced per row (sorted order): what the per-row pieces read from ``[S, L]``. ``delta`` and
+    ``mask`` are ``None`` when the pass did not keep them (the stateful call's fast path re-reads the inputs)."""
 
-    delta: torch.Tensor      # [S, L] float64, 0 off mask
-    mask: torch.Tensor       # [S, L] bool
-    count: torch.Tensor      # [S] int64 mask tokens of the row
-    total: torch.Tensor      # [S] float64 sum_t delta
-    var: torch.Tensor        # [S] float64 within-row variance of delta (denominator max(L_k, 1))
-    abs_total: torch.Tensor  # [S] float64 sum_t |delta|
+    delta: torch.Tensor | None      # [S, L] float64, 0 off mask
+    mask: torch.Tensor | None       # [S, L] bool
+    count: torch.Tensor             # [S] int64 mask tokens of the row
+    total: torch.Tensor             # [S] float64 sum_t delta
+    var: torch.Tensor               # [S] float64 within-row variance of delta (denominator max(L_k, 1))
+    abs_total: torch.Tensor         # [S] float64 sum_t |delta|
 
 
 def _bad_mask(mask: torch.Tensor) -> None:
@@ -203,42 +204,66 @@ def _bad_mask(mask: torch.Tensor) -> None:
                          f"{float(mask[bad][0])}); give 0/1 or bool, 1 on trainable response tokens")
 
 
-def token_rows(steps: StepTable) -> TokenRows:
+class TokenBlocks:
+    """The validated ``[S, L]`` token inputs, read block by block over rows: :meth:`block` fills reusable buffers
+    with delta = logp_teacher - logp_old (float64, 0 off mask) and the bool mask of rows ``i:j``."""
+
+    def __init__(self, steps: StepTable):
+        steps.require(*EXTRAS, by="estimator 'uniopsd'")
+        logp_old, logp_teacher, mask = (steps.extra(name) for name in EXTRAS)
+        if logp_old.ndim != 2:
+            raise ValueError(f"extras['logp_old'] has shape {tuple(logp_old.shape)}; UniOPSD needs [S, L] per-token "
+                             f"log-probs (one row per step, right-padded response tokens)")
+        for name, x in (("logp_teacher", logp_teacher), ("response_mask", mask)):
+            if tuple(x.shape) != tuple(logp_old.shape):
+                raise ValueError(f"extras[{name!r}] has shape {tuple(x.shape)} but extras['logp_old'] has "
+                                 f"{tuple(logp_old.shape)}; logp_old, logp_teacher and response_mask must all be [S, L] "
+                                 f"over the same response tokens")
+        if mask.dtype != torch.bool and mask.is_complex():
+            raise ValueError("extras['response_mask'] is complex; give 0/1 or bool per token")
+        self.logp_old, self.logp_teacher, self.given_mask = logp_old, logp_teacher, mask
+        self.shape = tuple(logp_old.shape)
+        self.blocks = row_blocks(*self.shape)
+        rows = self.blocks[0][1] - self.blocks[0][0] if self.blocks else 0
+        self._delta = torch.empty(rows, self.shape[1], dtype=torch.float64)
+        self._mask = torch.empty(rows, self.shape[1], dtype=torch.bool)
+        self._off = torch.empty(rows, self.shape[1], dtype=torch.bool)
+
+    def block(self, i: int, j: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(delta, mask, ~mask)`` of rows ``i:j`` (views of buffers reused by the next call)."""
+        given = self.given_mask
+        m = given[i:j] if given.dtype == torch.bool else torch.eq(given[i:j], 1, out=self._mask[: j - i])
+        off = torch.logical_not(m, out=self._off[: j - i])
+        d = self._delta[: j - i]
+        d.copy_(self.logp_teacher[i:j])
+        d.sub_(self.logp_old[i:j])                  # in float64, as logp_teacher.double() - logp_old.double()
+        d.masked_fill_(off, 0.0)
+        return d, m, off
+
+
+def token_rows(steps: StepTable, keep: bool = True, blocks: TokenBlocks | None = None) -> TokenRows:
     """Validated token inputs and their per-row reductions, in one blocked pass over the ``[S, L]`` blocks:
-    delta = logp_teacher - logp_old (float64) on mask tokens, 0 off mask; see :func:`token_inputs`."""
-    steps.require(*EXTRAS, by="estimator 'uniopsd'")
-    logp_old, logp_teacher, mask = (steps.extra(name) for name in EXTRAS)
-    if logp_old.ndim != 2:
-        raise ValueError(f"extras['logp_old'] has shape {tuple(logp_old.shape)}; UniOPSD needs [S, L] per-token "
-                         f"log-probs (one row per step, right-padded response tokens)")
-    for name, x in (("logp_teacher", logp_teacher), ("response_mask", mask)):
-        if tuple(x.shape) != tuple(logp_old.shape):
-            raise ValueError(f"extras[{name!r}] has shape {tuple(x.shape)} but extras['logp_old'] has "
-                             f"{tuple(logp_old.shape)}; logp_old, logp_teacher and response_mask must all be [S, L] over the "
-                             f"same response tokens")
-    if mask.dtype != torch.bool and mask.is_complex():
-        raise ValueError("extras['response_mask'] is complex; give 0/1 or bool per token")
-    S, L = logp_old.shape
+    delta = logp_teacher - logp_old (float64) on mask tokens, 0 off mask; see :func:`token_inputs`. ``keep=False``
+    keeps only the per-row reductions (no ``[S, L]`` delta / mask)."""
+    blocks = blocks if blocks is not None else TokenBlocks(steps)
+    logp_old, logp_teacher, given_mask = blocks.logp_old, blocks.logp_teacher, blocks.given_mask
+    S, L = blocks.shape
     f64 = torch.float64
-    given_mask = mask
-    mask = given_mask if given_mask.dtype == torch.bool else torch.empty(S, L, dtype=torch.bool)
-    delta = torch.empty(S, L, dtype=f64)
+    delta = torch.empty(S, L, dtype=f64) if keep else None
+    mask = (given_mask if given_mask.dtype == torch.bool else torch.empty(S, L, dtype=torch.bool)) if keep else None
     count = torch.empty(S, dtype=torch.int64)
     total = torch.empty(S, dtype=f64)
     var = torch.empty(S, dtype=f64)
     abs_total = torch.empty(S, dtype=f64)
-    for i, j in row_blocks(S, L):
-        m = mask[i:j]
-        if given_mask.dtype != torch.bool:
-            torch.eq(given_mask[i:j], 1, out=m)
+    for i, j in blocks.blocks:
+        d, m, off = blocks.block(i, j)
         torch.sum(m, dim=1, out=count[i:j])
         if given_mask.dtype != torch.bool and int(torch.count_nonzero(given_mask[i:j])) != int(count[i:j].sum()):
             _bad_mask(given_mask)  # a value other than 0 and 1 (NaN included): the nonzero ones are not all 1
-        off = ~m
-        d = delta[i:j]
-        d.copy_(logp_teacher[i:j])
-        d.sub_(logp_old[i:j])                       # in float64, as logp_teacher.double() - logp_old.double()
-        d.masked_fill_(off, 0.0)
+        if keep:
+            delta[i:j] = d
+            if mask is not given_mask:
+                mask[i:j] = m
         torch.sum(d, dim=1, out=total[i:j])
         n_tok = count[i:j].to(f64).clamp(min=1.0)
         dev = d - (total[i:j] / n_tok)[:, None]
@@ -247,8 +272,9 @@ def token_rows(steps: StepTable) -> TokenRows:
         torch.abs(d, out=dev)
         torch.sum(dev, dim=1, out=abs_total[i:j])
     if not bool(torch.isfinite(total).all()):  # a NaN/inf delta makes its row's sum non-finite
+        m = given_mask if given_mask.dtype == torch.bool else given_mask == 1
         for name, x in (("logp_old", logp_old), ("logp_teacher", logp_teacher)):
-            bad = mask & ~torch.isfinite(x)
+            bad = m & ~torch.isfinite(x)
             if bool(bad.any()):
                 raise ValueError(f"extras[{name!r}] has {int(bad.sum())} NaN/inf value(s) on mask tokens; recompute "
                                  f"the log-probs in float32 (or mask those tokens out in response_mask)")
@@ -374,13 +400,16 @@ def uniopsd_terms(steps: StepTable, p: UniOPSDParams, state: dict[str, Any]) -> 
 F32_SAFE = 0.99 * float(torch.finfo(torch.float32).max)  # |Ahat| bounds below this cast to finite float32
 
 
-def _batch(steps: StepTable, p: UniOPSDParams, state: dict[str, Any],
-           want32: bool) -> tuple[UniOPSDTerms, dict[str, Any], torch.Tensor | None]:
+def _batch(steps: StepTable, p: UniOPSDParams, state: dict[str, Any], want32: bool,
+           keep: bool = True) -> tuple[UniOPSDTerms, dict[str, Any], torch.Tensor | None]:
     """:func:`uniopsd_terms`, and with ``want32`` the advantages as float32 in the rows' input order, written in the
     token pass, when every one is finite there (None otherwise: the caller casts the float64 ones, and the check
-    names what overflowed)."""
+    names what overflowed). ``keep=False`` (with ``want32``) keeps no ``[S, L]`` float64 term: ``delta``, ``mask``
+    and ``advantage`` of the terms are None, and the token passes re-read the inputs block by block; it falls back to
+    ``keep=True`` when the float32 output cannot be written."""
     steps.require("state", by="estimator 'uniopsd'")
-    rows = token_rows(steps)
+    blocks = TokenBlocks(steps)
+    rows = token_rows(steps, keep=keep, blocks=blocks)
     delta, mask = rows.delta, rows.mask
     anchor, n_anchor = steps.anchor
 
@@ -421,15 +450,17 @@ def _batch(steps: StepTable, p: UniOPSDParams, state: dict[str, Any],
     lam = lambda_at(m, p.lam0, p.warmdown_steps)
     n_mask = int(rows.count.sum())
     out32 = dest = None
-    if want32 and delta.numel():
+    if want32 and blocks.shape[0] * blocks.shape[1]:
         # |Ahat| <= |A^E| + |F| (1 + eps_w): below F32_SAFE every value casts to a finite float32
         bound = float((a_episode.abs() + fused.abs() * (1.0 + p.clip_eps)).max())
         if bound < F32_SAFE:
-            out32 = torch.empty(delta.shape, dtype=torch.float32)
+            out32 = torch.empty(blocks.shape, dtype=torch.float32)
             order = steps.order
             if not torch.equal(order, torch.arange(order.numel(), dtype=order.dtype)):
                 dest = order  # sorted row p is input row order[p]
-    advantage, token_counts = modulated_tokens(delta, mask, a_episode, fused, lam, p.clip_eps, n_mask, out32, dest)
+    if out32 is None and not keep:  # the float64 advantages are needed: check_output names what overflowed
+        return _batch(steps, p, state, want32, keep=True)
+    advantage, token_counts = modulated_tokens(blocks, a_episode, fused, lam, p.clip_eps, n_mask, out32, dest, keep)
     token_counts.update(n_mask=float(n_mask), delta_sum=float(rows.total.sum()),
                         delta_abs_sum=float(rows.abs_total.sum()))
 
@@ -449,29 +480,30 @@ def _batch(steps: StepTable, p: UniOPSDParams, state: dict[str, Any],
     return terms, new_state, out32
 
 
-def modulated_tokens(delta: torch.Tensor, mask: torch.Tensor, a_episode: torch.Tensor, fused: torch.Tensor,
-                     lam: float, clip_eps: float, n_mask: int, out32: torch.Tensor | None = None,
-                     dest: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def modulated_tokens(blocks: TokenBlocks, a_episode: torch.Tensor, fused: torch.Tensor, lam: float, clip_eps: float,
+                     n_mask: int, out32: torch.Tensor | None = None, dest: torch.Tensor | None = None,
+                     keep: bool = True) -> tuple[torch.Tensor | None, dict[str, float]]:
     """``Ahat = A^E + F [(1 - lambda) + lambda clip(exp(sign(F) delta))]`` on mask tokens (0 elsewhere), [S, L]
     float64, block by block over rows; with the mask-token counts of a saturated weight and of Ahat = 0 (``n_mask``:
     the mask tokens). ``out32`` (optional, [S, L] float32) receives Ahat cast to float32, row ``p`` at row
-    ``dest[p]`` (the same rows when ``dest`` is None)."""
-    S, L = delta.shape
+    ``dest[p]`` (the same rows when ``dest`` is None). ``keep=False`` returns no float64 ``[S, L]`` (None)."""
+    S, L = blocks.shape
     lo, hi = 1.0 - clip_eps, 1.0 + clip_eps
     sign = torch.sign(fused)
-    advantage = torch.empty(S, L, dtype=torch.float64)
+    advantage = torch.empty(S, L, dtype=torch.float64) if keep else None
+    scratch = None if keep else torch.empty_like(blocks._delta)
     n_sat = n_nonzero = 0
-    for i, j in row_blocks(S, L):
-        m = mask[i:j]
-        a = advantage[i:j]
-        torch.mul(sign[i:j, None], delta[i:j], out=a)
+    for i, j in blocks.blocks:
+        d, m, off = blocks.block(i, j)
+        a = advantage[i:j] if keep else scratch[: j - i]
+        torch.mul(sign[i:j, None], d, out=a)
         a.exp_()                                                              # w_raw
         if lo < hi:  # off the mask delta = 0, so w_raw = 1 lies inside (lo, hi): count over the whole block
             n_sat += int(torch.count_nonzero(a <= lo)) + int(torch.count_nonzero(a >= hi))
         else:
             n_sat += int(torch.count_nonzero(((a <= lo).logical_or_(a >= hi)).logical_and_(m)))
         a.clamp_(lo, hi).mul_(lam).add_(1.0 - lam).mul_(fused[i:j, None]).add_(a_episode[i:j, None])
-        a.masked_fill_(~m, 0.0)
+        a.masked_fill_(off, 0.0)
         n_nonzero += int(torch.count_nonzero(a))  # all on mask tokens: the rest are the dead ones
         if out32 is not None:
             if dest is None:
@@ -542,18 +574,31 @@ class UniOPSD(StatefulEstimator):
                                                                     owner="estimator 'uniopsd'")
         self._state = initial_state(self.params)
         self.stats: dict[str, float] = {}
-        self.last_terms: UniOPSDTerms | None = None
+        self._last: tuple[StepTable, dict[str, Any]] | None = None
+        self._last_terms: UniOPSDTerms | None = None
 
     def __call__(self, steps: StepTable) -> torch.Tensor:
         """Token advantages ``[S, L]`` float32 in the rows' input order; advances the state by one batch."""
         with torch.no_grad():
-            terms, new_state, out32 = _batch(steps, self.params, self._state, want32=True)
+            terms, new_state, out32 = _batch(steps, self.params, self._state, want32=True, keep=False)
+        self._last, self._last_terms = (steps, self._state), (terms if terms.advantage is not None else None)
         self._state = new_state
-        self.last_terms = terms
         self.stats = batch_stats(terms, self.params, new_state)
         if out32 is not None:
             return out32  # float32, cast in the token pass (every value finite there); the locked wrapper checks it
         return steps.to_input_order(terms.advantage)  # float64; the locked wrapper checks it and casts to float32
+
+    @property
+    def last_terms(self) -> UniOPSDTerms | None:
+        """Every intermediate of the last batch (:class:`UniOPSDTerms`, ``[S, L]`` float64 terms included), or None
+        before the first call. The call itself keeps no ``[S, L]`` float64 term (it writes the float32 output block
+        by block), so these are computed on first access, from the last batch's StepTable (held until the next call;
+        do not modify it in place in between) and the state before it: the same function, the same values."""
+        if self._last_terms is None and self._last is not None:
+            steps, state = self._last
+            with torch.no_grad():
+                self._last_terms = uniopsd_terms(steps, self.params, state)[0]
+        return self._last_terms
 
     def state_dict(self) -> dict[str, Any]:
         s = self._state
