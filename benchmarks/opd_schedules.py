@@ -4,8 +4,9 @@ task, after the same number of steps.
     agentcredit sft recipes/trl/minigrid_gigpo.yaml --out runs/teacher/minigrid --steps 80 --learning-rate 3e-4 --episodes 512
     python -m benchmarks.opd_schedules --teacher runs/teacher/minigrid [--steps 8] [key=value ...]
 
-Every method runs ``agentcredit train`` on ``recipes/trl/minigrid_gigpo.yaml`` (GiGPO credit) with the same seeds,
-steps and held-out evaluation; only the ``agentcredit.schedule`` differs. The teacher's own held-out success (from
+Every method runs ``agentcredit train`` on ``recipes/trl/minigrid_gigpo.yaml`` (GiGPO credit; ``--recipe`` picks
+another, e.g. the tiny-model geometry of ``recipes/trl/minigrid_credit_learning.yaml``) with the same seeds, steps
+and held-out evaluation; only the ``agentcredit.schedule`` differs. The teacher's own held-out success (from
 its ``sft_summary.json``) is the ceiling. Prints the table and writes ``opd_schedules.json`` and
 ``opd_schedules.png`` (success of the training rollouts per step, one line per method) to ``--out``; each method's
 rollouts are archived in ``--out/<method>/rollouts.jsonl`` (``agentcredit ross`` input).
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--teacher", required=True, help="teacher checkpoint (agentcredit sft --out)")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--recipe", default="recipes/trl/minigrid_gigpo.yaml", help="the recipe every method runs "
+                        "(relative to the repository root, or a path)")
     parser.add_argument("--out", default="runs/bench/opd_schedules")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--no-before", action="store_true", help="skip the before-training evaluation (another "
@@ -45,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from agentcredit.recipe import load_recipe
 
     root = Path(__file__).resolve().parents[1]
-    recipe_path = str(root / "recipes" / "trl" / "minigrid_gigpo.yaml")
+    recipe_path = str(args.recipe if Path(args.recipe).is_absolute() else root / args.recipe)
     out = Path(args.out)
     results, curves = {}, {}
     summary = Path(args.teacher) / "sft_summary.json"
