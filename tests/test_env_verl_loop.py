@@ -10,6 +10,7 @@ signature and runs ``model.generate`` (or tokenizes scripted action texts).
 
 import asyncio
 import functools
+import math
 import os
 import subprocess
 import sys
@@ -134,7 +135,7 @@ def _config(step_weight=0.5, logprobs=False):
     })
 
 
-def _fake_worker(config, server, tokenizer):
+def _fake_worker(config, server, tokenizer, teacher=None):
     """An ``AgentLoopWorkerTQ`` without its constructor (which loads the model config and starts ray clients): the
     attributes its methods read, and its real methods ``_run_agent_loop``, ``_agent_loop_postprocess``,
     ``_compute_score`` (no reward workers: the loop scores itself), ``_compute_teacher_logprobs`` (distillation
@@ -145,14 +146,16 @@ def _fake_worker(config, server, tokenizer):
     worker_cls = AgentLoopWorkerTQ.__ray_metadata__.modified_class
     fake = types.SimpleNamespace(config=config, llm_client=server, tokenizer=tokenizer, processor=None,
                                  hf_model_type="qwen2", dataset_cls=RLHFDataset, tools=[], mm_processor_kwargs={},
-                                 reward_loop_worker_handles=None, distillation_enabled=False)
+                                 reward_loop_worker_handles=None, distillation_enabled=False,
+                                 teacher_client=None if teacher is None else {"teacher": teacher})
     for name in ("_run_agent_loop", "_agent_loop_postprocess", "_compute_score", "_compute_teacher_logprobs",
                  "_compute_multi_modal_inputs", "_compute_position_ids", "_get_mm_processor_kwargs"):
         setattr(fake, name, functools.partial(getattr(worker_cls, name), fake))
     return fake
 
 
-def _rollout_group(config, servers, tokenizer, uid, max_steps=None, agent_name="agentcredit_env", **fields):
+def _rollout_group(config, servers, tokenizer, uid, max_steps=None, agent_name="agentcredit_env", teacher=None,
+                   validate=False, global_steps=1, **fields):
     """``rollout.n`` sessions of one prompt, as ``AgentLoopWorkerTQ._run_prompt`` starts them (each through the
     real ``AgentLoopWorker._run_agent_loop``: registry lookup, hydra instantiation, run, post-processing)."""
     from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
@@ -160,7 +163,7 @@ def _rollout_group(config, servers, tokenizer, uid, max_steps=None, agent_name="
     import agentcredit.verl.agent_loop  # noqa: F401  (registers agentcredit_env)
 
     assert agent_name in _agent_loop_registry
-    prompt = dict(uid=uid, global_steps=1, index=0, data_source="minigrid", agent_name=agent_name,
+    prompt = dict(uid=uid, global_steps=global_steps, index=0, data_source="minigrid", agent_name=agent_name,
                   raw_prompt=[{"role": "system", "content": "You play grid games."}])
     prompt.update(fields or dict(env_name="minigrid", env_options=dict(ENV_OPTIONS), seed=SEED,
                                  extra_info={"max_steps": max_steps}))
@@ -169,8 +172,8 @@ def _rollout_group(config, servers, tokenizer, uid, max_steps=None, agent_name="
                     repetition_penalty=1.0, logprobs=rollout.calculate_log_probs)
 
     async def run_all():
-        tasks = [_fake_worker(config, server, tokenizer)._run_agent_loop(
-            sampling, {"step": 1, "sample_index": 0, "rollout_n": i, "validate": False}, trace=False,
+        tasks = [_fake_worker(config, server, tokenizer, teacher)._run_agent_loop(
+            sampling, {"step": 1, "sample_index": 0, "rollout_n": i, "validate": validate}, trace=False,
             session_id=i, **prompt) for i, server in enumerate(servers)]
         await asyncio.gather(*tasks)
 
@@ -188,7 +191,7 @@ def _run_advantage(tq, keys, tags, config):
     return list(adv.unbind(0)), metrics
 
 
-def _rows(tq, uid, n_sessions):
+def _rows(tq, uid, n_sessions, partition="train"):
     """The stored rows of ``uid``: ``{session: [row dict, ...]}`` found by probing the ``{uid}_{s}_{i}`` keys."""
     out = {}
     for s in range(n_sessions):
@@ -196,7 +199,7 @@ def _rows(tq, uid, n_sessions):
         while True:
             key = f"{uid}_{s}_{i}"
             try:
-                data = tq.kv_batch_get(keys=[key], partition_id="train",
+                data = tq.kv_batch_get(keys=[key], partition_id=partition,
                                        select_fields=["extra_fields", "rm_scores", "responses", "response_mask"])
             except Exception:
                 break
@@ -446,6 +449,47 @@ def test_memory_context_keeps_a_memory_instead_of_the_transcript(transfer_queue,
     assert metrics["agentcredit/ccm_malformed_memory"] == pytest.approx(2 / 6)
 
 
+@pytest.mark.parametrize("case", ["guided", "decayed", "validation"])
+def test_guided_schedule_lets_the_distillation_teacher_write_turns(transfer_queue, model_and_tokenizer, case):
+    """Guided-OPD on verl (agentcredit.verl.guided): with the guided schedule at p = 1 every turn comes from the
+    worker's teacher client and none of its tokens is trained; once p has decayed to 0, and in validation, the
+    policy writes every turn."""
+    model, tok = model_and_tokenizer
+    config = _config()
+    decay = {"guided": 10**6, "decayed": 1, "validation": 10**6}[case]  # global step 1 = schedule step 0
+    # p0 just below 1 (1 itself is refused: verl cannot train a batch of teacher turns only): these draws all pass
+    config.algorithm.agentcredit_distill = {"schedule": "guided", "params": {"p0": 1 - 1e-9, "decay_steps": decay}}
+    teacher, student = HFServer(model, tok, ["turn left"] * 3), HFServer(model, tok, ["turn right"] * 3)
+    uid = f"guided_{case}"
+    step = {"guided": 1, "decayed": 2, "validation": 1}[case]
+    _rollout_group(config, [student], tok, uid=uid, max_steps=3, teacher=teacher, validate=case == "validation",
+                   global_steps=step)
+    steps = _rows(transfer_queue, uid, 1, partition="val" if case == "validation" else "train")[0]
+    guided = case == "guided"
+    assert len(teacher.calls) == (3 if guided else 0) and len(student.calls) == (0 if guided else 3)
+    assert [r["extra"]["by_teacher"] for r in steps] == [guided] * 3
+    assert [r["extra"]["action_key"] for r in steps] == ["turn left" if guided else "turn right"] * 3
+    assert all(bool(r["response_mask"].any()) != guided for r in steps)  # teacher turns: nothing trained
+    if guided:
+        keys = _keys({0: steps})
+        _, metrics = _run_advantage(transfer_queue, keys, [{"status": "success"}] * len(keys), config)
+        assert metrics["agentcredit/guided_teacher_turns"] == 1.0
+
+
+def test_guided_schedule_needs_one_teacher_and_p0_below_one(transfer_queue, model_and_tokenizer):
+    model, tok = model_and_tokenizer
+    config = _config()
+    config.algorithm.agentcredit_distill = {"schedule": "guided", "params": {"p0": 0.5, "decay_steps": 10}}
+    with pytest.raises(ValueError, match=r"0 teacher client\(s\).*exactly one distillation teacher"):
+        _rollout_group(config, [HFServer(model, tok, ["turn left"])], tok, uid="guided_none", max_steps=1,
+                       global_steps=1)
+    config.algorithm.agentcredit_distill = {"schedule": "guided", "params": {"p0": 1.0, "decay_steps": 10}}
+    teacher = HFServer(model, tok, ["turn left"])
+    with pytest.raises(ValueError, match=r"p0=1.0 makes every turn of step 1 the teacher's.*p0 < 1"):
+        _rollout_group(config, [HFServer(model, tok, ["turn left"])], tok, uid="guided_all", max_steps=1,
+                       teacher=teacher, global_steps=1)
+
+
 def test_an_unknown_context_is_refused_naming_the_choices():
     from agentcredit.verl.agent_loop import EnvAgentLoop
 
@@ -572,6 +616,28 @@ def test_the_wrapped_agent_loop_worker_method_pickles_for_ray():
 
     from agentcredit.verl._compat import is_wrapped
 
-    method = AgentLoopWorkerTQ.__ray_metadata__.modified_class._agent_loop_postprocess
-    assert is_wrapped(method, "distill")
-    cloudpickle.loads(cloudpickle.dumps(method))
+    worker_cls = AgentLoopWorkerTQ.__ray_metadata__.modified_class
+    for name, tag in (("_agent_loop_postprocess", "distill"), ("_run_agent_loop", "guided")):
+        method = getattr(worker_cls, name)
+        assert is_wrapped(method, tag)
+        cloudpickle.loads(cloudpickle.dumps(method))
+    cloudpickle.loads(cloudpickle.dumps(worker_cls))
+
+
+def test_distillation_loss_range_of_a_micro_batch_without_response_tokens():
+    """verl 0.9.1 takes .min() of the selected losses, which fails when a micro-batch has no response token (all
+    Guided-OPD teacher turns, or padding rows); agentcredit's wrap gives the MIN/MAX identities there and verl's own
+    values elsewhere."""
+    import agentcredit.verl  # noqa: F401  (installs the post-import hooks)
+    from verl.trainer.distillation import losses
+
+    from agentcredit.verl._compat import is_wrapped
+
+    assert is_wrapped(losses.compute_distillation_loss_range, "distill_range")
+    x = torch.tensor([[0.5, -1.0, 3.0], [2.0, 7.0, -4.0]])
+    empty = losses.compute_distillation_loss_range(distillation_losses=x, response_mask=torch.zeros(2, 3))
+    assert empty["distillation/loss_min"].aggregate() == math.inf
+    assert empty["distillation/loss_max"].aggregate() == -math.inf
+    mask = torch.tensor([[1, 1, 0], [0, 1, 0]])
+    some = losses.compute_distillation_loss_range(distillation_losses=x, response_mask=mask)
+    assert some["distillation/loss_min"].aggregate() == -1.0 and some["distillation/loss_max"].aggregate() == 7.0

@@ -60,6 +60,7 @@ response tokens with ``response_mask`` 1 (at most ``rollout.response_length``), 
     success      the episode ended in success (same on every row of the episode)
     truncated    the episode hit max_steps without a terminal state (same on every row)
     valid        the action was admissible (bool)
+    by_teacher   Guided-OPD's teacher wrote this turn (bool; its response_mask is all 0; agentcredit.verl.guided)
     signature    MVPO's viability signature: ``anchor_key|d<3 * (t // 3)>`` (the state and its depth bin)
     min_global_steps / max_global_steps   the rollout server's weight versions (None when it reports none)
     reward_extra_info   {"success": 0/1, "episode_return": sum r_t, "episode_steps": T}
@@ -104,6 +105,8 @@ from env_adapters.descriptors import DESCRIPTOR, step_descriptor
 from env_adapters.memory_context import ACTION_OPEN, MEMORY_OPEN, MemoryTrack, action_start
 from env_adapters.prompting import build_prompt, parse_action
 
+from .guided import turn_guide
+
 __all__ = ["EnvAgentLoop", "AGENT_NAME", "SAMPLE_FIELDS"]
 
 logger = logging.getLogger("agentcredit")
@@ -129,6 +132,17 @@ def _sample_field(kwargs: Mapping[str, Any], name: str, default: Any = None) -> 
     if isinstance(extra, Mapping) and extra.get(name) is not None:
         return extra[name]
     return default
+
+
+def _policy_versions(steps: list[dict[str, Any]], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The weight versions (``min/max_global_steps``) a Guided-OPD teacher turn reports: the teacher's server reports
+    none, and verl's step metrics need one on every row. The policy turns' of the episode (min and max over them);
+    with none, the step being rolled out (``global_steps``, what a synchronous policy server reports)."""
+    own = [s["server_extra"] for s in steps if not s["extra"].get("by_teacher")]
+    lo = [int(x["min_global_steps"]) for x in own if x.get("min_global_steps") is not None]
+    hi = [int(x["max_global_steps"]) for x in own if x.get("max_global_steps") is not None]
+    step = int(kwargs.get("global_steps", 0) or 0)
+    return {"min_global_steps": min(lo) if lo else step, "max_global_steps": max(hi) if hi else step}
 
 
 def _plain(value: Any) -> Any:
@@ -187,9 +201,10 @@ class EnvAgentLoop(AgentLoopBase):
         return env_adapters.make(name, **options)
 
     async def _generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
-                        priority: int = 0):
-        """One model turn, called as ``SingleTurnAgentLoop`` calls verl's ``LLMServerClient.generate``."""
-        return await self.server_manager.generate(
+                        priority: int = 0, server=None):
+        """One model turn, called as ``SingleTurnAgentLoop`` calls verl's ``LLMServerClient.generate`` (``server``:
+        another client of the same kind, e.g. Guided-OPD's teacher; default the policy's)."""
+        return await (server or self.server_manager).generate(
             request_id=request_id,
             prompt_ids=prompt_ids,
             sampling_params=sampling_params,
@@ -228,6 +243,7 @@ class EnvAgentLoop(AgentLoopBase):
         steps: list[dict[str, Any]] = []
         done = success = False
         track = MemoryTrack(task=getattr(env, "task", "")) if self.context == "memory" else None
+        guide = turn_guide(self.config, kwargs)  # Guided-OPD (agentcredit.verl.guided), else None
         for t in range(max_steps):
             anchor = env.state_key()
             actions = legal() if legal is not None else None
@@ -247,12 +263,19 @@ class EnvAgentLoop(AgentLoopBase):
                        "full_prompt_tokens": len(self.tokenizer.encode(full, add_special_tokens=False)) + len(prefill),
                        "ccm_teacher_prompt_ids": teacher_ids}
             metrics: dict[str, Any] = {}
+            by_teacher = guide is not None and guide.teacher_turn()  # Guided-OPD: the teacher writes this turn
             with simple_timer("generate_sequences", metrics):
-                out = await self._generate(prompt_ids, sampling_params, request_id, int(priority))
+                if by_teacher:
+                    out = await self._generate(prompt_ids, sampling_params, uuid4().hex, int(priority),
+                                               server=guide.client)
+                else:
+                    out = await self._generate(prompt_ids, sampling_params, request_id, int(priority))
             metrics["num_preempted"] = out.num_preempted if out.num_preempted is not None else -1
             merge, response_mask, response_logprobs = await self.ct_merge_assistant_token(
                 prompt_ids, out.token_ids, [], [] if out.log_probs else None,
                 assistant_logprobs=out.log_probs if out.log_probs else None)
+            if by_teacher:  # guidance, not a training target: none of its tokens is trained
+                response_mask = [0] * len(response_mask)
             response_ids = merge.token_ids[-len(response_mask):] if response_mask else []
             prompt_ids = merge.token_ids[: len(merge.token_ids) - len(response_mask)]
             if not response_ids:  # an empty generation: one masked-out token, so verl's rm_scores[-1] exists
@@ -283,6 +306,7 @@ class EnvAgentLoop(AgentLoopBase):
                 metrics=metrics, server_extra=dict(out.extra_fields or {}),
                 extra={"step_idx": t, "anchor_key": anchor, "action_key": action_key,
                        "step_reward": float(result.reward) + penalty, "valid": action_key is not None,
+                       "by_teacher": by_teacher,
                        "signature": step_signature(anchor, t), **more}))
             history.append((observation, action_key))
             observation = result.observation
@@ -294,10 +318,12 @@ class EnvAgentLoop(AgentLoopBase):
         reward_extra_info = {"success": float(success), "episode_return": episode_return,
                              "episode_steps": len(steps)}
         outputs = []
+        versions = _policy_versions(steps, kwargs)
         for i, s in enumerate(steps):
             extra = dict(s["extra"], success=success, truncated=not done,
                          reward_extra_info=dict(reward_extra_info))
-            extra.update({k: s["server_extra"].get(k) for k in _SERVER_KEYS})
+            extra.update(versions if s["extra"].get("by_teacher") else
+                         {k: s["server_extra"].get(k) for k in _SERVER_KEYS})
             last = i == len(steps) - 1
             outputs.append(AgentLoopOutput(
                 prompt_ids=s["prompt_ids"], response_ids=s["response_ids"], response_mask=s["response_mask"],

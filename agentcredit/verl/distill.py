@@ -11,7 +11,8 @@ post-import hooks (``wrapt``); ``import distill_plugins`` never imports verl. Wh
   micro-batch the loss sees); ``_save_checkpoint`` / ``_load_checkpoint`` save and restore the scheduler state
   (``agentcredit_distill_scheduler.pt`` in each ``global_step_N`` folder);
 * ``verl.trainer.ppo.v1.agent_loop_tq``: ``AgentLoopWorkerTQ._agent_loop_postprocess`` scores every output of a
-  multi-output agent loop under the teacher, not only the last one (see "Every turn is scored" below).
+  multi-output agent loop under the teacher, not only the last one (see "Every turn is scored" below), and
+  ``_run_agent_loop`` hands the worker's teacher to the agent loop for Guided-OPD (:mod:`agentcredit.verl.guided`).
 
 Every turn is scored: verl 0.9.1's ``AgentLoopWorkerTQ._agent_loop_postprocess(self, output, validate, **kwargs)``
 takes the list of ``AgentLoopOutput`` an agent loop returns (``agentcredit_env``: one per env step), puts each into
@@ -98,6 +99,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -376,9 +378,30 @@ def register_losses(module) -> list[str]:
             new += todo
     module.compute_topk_loss = _wrap_compute_topk_loss(module.compute_topk_loss)
     module.ppo_loss = _wrap_ppo_loss(module.ppo_loss)
+    module.compute_distillation_loss_range = _wrap_loss_range(module.compute_distillation_loss_range)
     if new:
         logger.warning("agentcredit: registered verl distillation losses %s", new)
     return new
+
+
+@wraps_once("distill_range", "compute_distillation_loss_range(distillation_losses, response_mask)",
+            ("distillation_losses", "response_mask"))
+def _wrap_loss_range(orig):
+    """verl's min/max distillation-loss metrics over a micro-batch's response tokens, made safe for a micro-batch
+    without any (verl 0.9.1 takes ``.min()`` of an empty tensor and fails): there they are +inf / -inf, the identity
+    of their MIN / MAX aggregation over micro-batches. Such micro-batches are real: Guided-OPD's teacher turns and
+    the bridge's padding rows have ``response_mask`` 0."""
+
+    def compute_distillation_loss_range(distillation_losses, response_mask):
+        mask = response_mask.bool().to_padded_tensor(False) if response_mask.is_nested else response_mask.bool()
+        if bool(mask.any()):
+            return orig(distillation_losses=distillation_losses, response_mask=response_mask)
+        from verl.utils.metric import AggregationType, Metric
+
+        return {"distillation/loss_min": Metric(AggregationType.MIN, math.inf),
+                "distillation/loss_max": Metric(AggregationType.MAX, -math.inf)}
+
+    return compute_distillation_loss_range
 
 
 # ---- the scheduler, in the trainer process ------------------------------------------------------------------------
@@ -560,6 +583,13 @@ def _patch_agent_loop_tq(module) -> None:
     for cls in classes:
         if name in cls.__dict__:
             setattr(cls, name, wrap_agent_loop_postprocess(cls.__dict__[name]))
+    from .guided import wrap_run_agent_loop  # Guided-OPD: the session's teacher, for the agent loop
+
+    for cls in classes:
+        if getattr(cls, "_run_agent_loop", None) is None:
+            raise VerlInternalsChanged(f"agentcredit: verl's AgentLoopWorkerTQ has no _run_agent_loop; this bridge "
+                                       f"supports {SUPPORTED}")
+        setattr(cls, "_run_agent_loop", wrap_run_agent_loop(cls._run_agent_loop))
 
 
 @wraps_once("distill", "PPOTrainer._update_actor(self, batch, metrics)", ("self", "batch", "metrics"))

@@ -8,7 +8,7 @@
   successful sibling's actions with the actor worker group's ``compute_log_prob`` (:mod:`agentcredit.verl.hindsight`);
   with ``algorithm.agentcredit_archive`` set it appends the step's rollouts to that ROSS archive
   (:mod:`agentcredit.verl.archive`); rows of CCM's memory context add ``agentcredit/ccm_input_saving``
-  (:func:`ccm_stats`), and ``algorithm.agentcredit_ccm`` adds CCM's distillation term to their action tokens'
+  (:func:`loop_stats`), and ``algorithm.agentcredit_ccm`` adds CCM's distillation term to their action tokens'
   advantages (:mod:`agentcredit.verl.ccm`).
 * v1 ``_save_checkpoint`` / ``_load_checkpoint``: the state of stateful estimators (MVPO's kappa schedule, ...)
   is saved as ``agentcredit_estimators.pt`` in each ``global_step_N`` folder and restored on resume (the folder
@@ -81,7 +81,7 @@ def wrap_v1_compute_advantage(orig):
         meta = RowMeta.from_v1(list(batch.keys), list(batch.tags) if batch.tags is not None else None, rows)
         name = _name(self.config.algorithm.adv_estimator)
         estimator = registry.get(name)
-        meta.stats.update(ccm_stats(meta))
+        meta.stats.update(loop_stats(meta))
         path = archive_path(self.config.algorithm)
         if path is not None:  # ROSS: the step's rollouts, appended to the run's archive before any credit
             meta.stats["agentcredit/archived_trajectories"] = float(write_archive(self, batch, meta, path))
@@ -99,19 +99,23 @@ def wrap_v1_compute_advantage(orig):
     return _compute_advantage
 
 
-def ccm_stats(meta: RowMeta) -> dict[str, float]:
-    """CCM's memory context (``context: memory`` of the env loop): the cumulative input saving over the full
-    transcript, ``1 - sum prompt_tokens / sum full_prompt_tokens``, and the malformed-memory rate of the batch's
-    non-padding rows; {} for other loops."""
+def loop_stats(meta: RowMeta) -> dict[str, float]:
+    """Step statistics of the env loop's optional fields over the batch's non-padding rows: the share of turns the
+    Guided-OPD teacher wrote (``by_teacher``), and for CCM's memory context (``context: memory``) the cumulative input
+    saving over the full transcript, ``1 - sum prompt_tokens / sum full_prompt_tokens``, and the malformed-memory
+    rate; {} when the rows have none of them."""
     from env_adapters.memory_context import input_token_saving
 
     cols = meta.columns
-    if "full_prompt_tokens" not in cols or "prompt_tokens" not in cols:
-        return {}
     rows = [i for i in range(len(meta)) if not meta.is_padding[i]]
     if not rows:
         return {}
-    stats = {"agentcredit/ccm_input_saving": input_token_saving([int(cols["prompt_tokens"][i]) for i in rows],
+    stats: dict[str, float] = {}
+    if "by_teacher" in cols:
+        stats["agentcredit/guided_teacher_turns"] = sum(bool(cols["by_teacher"][i]) for i in rows) / len(rows)
+    if "full_prompt_tokens" not in cols or "prompt_tokens" not in cols:
+        return stats
+    stats |= {"agentcredit/ccm_input_saving": input_token_saving([int(cols["prompt_tokens"][i]) for i in rows],
                                                                 [int(cols["full_prompt_tokens"][i]) for i in rows])}
     if "memory_malformed" in cols:
         stats["agentcredit/ccm_malformed_memory"] = sum(bool(cols["memory_malformed"][i]) for i in rows) / len(rows)
