@@ -641,3 +641,33 @@ def test_distillation_loss_range_of_a_micro_batch_without_response_tokens():
     mask = torch.tensor([[1, 1, 0], [0, 1, 0]])
     some = losses.compute_distillation_loss_range(distillation_losses=x, response_mask=mask)
     assert some["distillation/loss_min"].aggregate() == -1.0 and some["distillation/loss_max"].aggregate() == 7.0
+
+
+@pytest.mark.parametrize("params, distillation, match", [
+    ({"p0": 1.0, "decay_steps": 4}, True, r"p0=1.0 makes every turn of step 1 the teacher's"),
+    ({"p0": 0.5}, True, r"set algorithm.agentcredit_distill.params.decay_steps \(or trainer.total_training_steps\)"),
+    ({"p0": 0.5, "decay_steps": 4}, False, r"exactly one distillation teacher .*found 0"),
+    ({"p0": 0.5, "decay_steps": 4}, True, None),
+])
+def test_guided_schedule_is_checked_in_the_trainer_before_any_rollout(params, distillation, match):
+    """An error inside a rollout session only fails its group (verl logs it in the worker), so the trainer process
+    refuses an unrunnable guided schedule first (its wrapped ``_load_checkpoint`` runs before step 1)."""
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.v1 import trainer_base
+
+    from agentcredit.verl import guided
+    from agentcredit.verl._compat import is_wrapped
+
+    assert is_wrapped(trainer_base.PPOTrainer._load_checkpoint, "guided")
+    config = OmegaConf.create({
+        "trainer": {"total_training_steps": None},
+        "algorithm": {"agentcredit_distill": {"schedule": "guided", "params": params}},
+        "distillation": {"enabled": distillation, "teacher_models": {"teacher_model": {"model_path": "t"}}},
+    })
+    if match is None:
+        guided.check_config(config)
+    else:
+        with pytest.raises(ValueError, match=match):
+            guided.check_config(config)
+    config.algorithm.agentcredit_distill = {"schedule": "opw", "params": {}}
+    guided.check_config(config)  # other schedules: nothing to check

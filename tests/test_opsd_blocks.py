@@ -69,9 +69,17 @@ def test_uniopsd_call_keeps_no_token_terms_and_last_terms_are_the_exact_ones(ste
     if out32 is not None:  # the fast path (it falls back to the kept terms when float32 cannot hold the output)
         assert fast.delta is None and fast.mask is None and fast.advantage is None
         assert torch.equal(out32, out)
-    ref, _ = uni_mod.uniopsd_terms(steps, params, before_second)
+    if out32 is not None:
+        assert est._last_terms is None                   # nothing [S, L] kept by the call itself
+    ref, after_second = uni_mod.uniopsd_terms(steps, params, before_second)
+    assert est.state_dict() == after_second
+    assert est.stats == uni_mod.batch_stats(ref, params, after_second)   # the fast path's per-row terms and counts
     _terms_equal(ref, est.last_terms)
+    assert est.last_terms is est.last_terms               # computed once, then cached
     assert torch.equal(out, steps.to_input_order(ref.advantage).to(torch.float32))
+    est(steps)                                            # a new batch invalidates the cache
+    third, _ = uni_mod.uniopsd_terms(steps, params, after_second)
+    _terms_equal(third, est.last_terms)
 
 
 @SETTINGS

@@ -137,11 +137,12 @@ def _sample_field(kwargs: Mapping[str, Any], name: str, default: Any = None) -> 
 def _policy_versions(steps: list[dict[str, Any]], kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The weight versions (``min/max_global_steps``) a Guided-OPD teacher turn reports: the teacher's server reports
     none, and verl's step metrics need one on every row. The policy turns' of the episode (min and max over them);
-    with none, the step being rolled out (``global_steps``, what a synchronous policy server reports)."""
+    with none, ``global_steps - 1`` (what a synchronous policy server reports while rolling out step ``global_steps``:
+    the trainer pushes version k at the end of step k)."""
     own = [s["server_extra"] for s in steps if not s["extra"].get("by_teacher")]
     lo = [int(x["min_global_steps"]) for x in own if x.get("min_global_steps") is not None]
     hi = [int(x["max_global_steps"]) for x in own if x.get("max_global_steps") is not None]
-    step = int(kwargs.get("global_steps", 0) or 0)
+    step = max(int(kwargs.get("global_steps", 1) or 1) - 1, 0)  # the weights of step k - 1 roll out step k
     return {"min_global_steps": min(lo) if lo else step, "max_global_steps": max(hi) if hi else step}
 
 

@@ -493,7 +493,9 @@ def schedule_step(trainer, batch, metrics: dict, tq=None) -> dict[str, Any] | No
         view = _batch_view(tq, batch)
         if view is not None:
             stats = gap_statistics(view["lp_teacher"], view["lp_old"], view["mask"])
-    out = sched.on_batch(step, stats, view)
+    from .guided import _horizon  # the decay horizon the agent loops use (Guided-OPD; other schedules ignore it)
+
+    out = sched.on_batch(step, {**stats, "total_steps": _horizon(cfg)}, view)
     if out.route is not None or out.token_weights is not None or out.token_weights_rl is not None:
         _warn_once("local", "agentcredit: scheduler %r returned per-row route/token weights; the verl distillation "
                    "bridge applies only its global w_opd/w_rl", sched.name)
@@ -629,6 +631,9 @@ def _patch_v1_trainer(module) -> None:
     cls._update_actor = wrap_update_actor(cls.__dict__.get("_update_actor"))
     cls._save_checkpoint = wrap_save_checkpoint(cls.__dict__.get("_save_checkpoint"))
     cls._load_checkpoint = wrap_load_checkpoint(cls.__dict__.get("_load_checkpoint"))
+    from .guided import wrap_load_checkpoint as guided_check  # refuse an unrunnable guided schedule before rollouts
+
+    cls._load_checkpoint = guided_check(cls._load_checkpoint)
 
 
 TARGETS = {

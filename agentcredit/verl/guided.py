@@ -33,7 +33,8 @@ from credit_plugins.hashing import stable_hash
 
 from ._compat import wraps_once
 
-__all__ = ["WORKER", "TurnGuide", "enter_session", "leave_session", "turn_guide", "wrap_run_agent_loop"]
+__all__ = ["WORKER", "TurnGuide", "check_config", "enter_session", "leave_session", "turn_guide", "wrap_load_checkpoint",
+           "wrap_run_agent_loop"]
 
 #: ``{"teacher_client": dict | None, "validate": bool}`` of the agent-loop worker running the current session
 WORKER: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("agentcredit_guided_worker",
@@ -57,6 +58,39 @@ def _block(config) -> dict[str, Any]:
     return distill_block(config)
 
 
+def _horizon(config) -> int | None:
+    """The decay horizon the loop and the trainer both use when ``decay_steps`` is unset: the configured
+    ``trainer.total_training_steps`` (the agent-loop workers cannot see the trainer's computed one)."""
+    total = config.get("trainer", {}).get("total_training_steps", None)
+    return None if total is None else int(total)
+
+
+def check_config(config) -> None:
+    """Refuse, in the trainer process before the first rollout, a guided schedule the agent loops could not run (an
+    error inside a rollout session only fails its group): ``p0 >= 1``, no decay horizon, not exactly one
+    distillation teacher. No-op for other schedules."""
+    block = _block(config)
+    if str(block.get("schedule", None) or "") != "guided":
+        return
+    from .distill import scheduler_for
+
+    sched = scheduler_for(block)
+    if sched.params.p0 >= 1.0:
+        raise ValueError(f"agentcredit guided schedule: p0={sched.params.p0} makes every turn of step 1 the teacher's, "
+                         f"which leaves verl no response token to train (its rollout correction refuses such a "
+                         f"batch); use algorithm.agentcredit_distill.params.p0 < 1 (0.5 is the default)")
+    if sched.params.decay_steps is None and _horizon(config) is None:
+        raise ValueError("agentcredit guided schedule: set algorithm.agentcredit_distill.params.decay_steps (or "
+                         "trainer.total_training_steps): the agent-loop workers need the decay horizon and cannot "
+                         "see the one the trainer computes from the epochs")
+    dist = config.get("distillation", None) or {}
+    teachers = dist.get("teacher_models", None) or {}
+    if not dist.get("enabled", False) or len(teachers) != 1:
+        raise ValueError(f"agentcredit guided schedule: Guided-OPD needs exactly one distillation teacher "
+                         f"(distillation.enabled=true with one entry in distillation.teacher_models; found "
+                         f"{len(teachers) if dist.get('enabled', False) else 0})")
+
+
 def turn_guide(config, kwargs: Mapping[str, Any]) -> TurnGuide | None:
     """The guide of one session (None: no guided schedule, validation, or ``p_k = 0``)."""
     block = _block(config)
@@ -69,8 +103,7 @@ def turn_guide(config, kwargs: Mapping[str, Any]) -> TurnGuide | None:
 
     sched = scheduler_for(block)
     step = max(int(kwargs.get("global_steps", 1) or 1) - 1, 0)
-    total = config.get("trainer", {}).get("total_training_steps", None)
-    p = sched.teacher_turn_prob(step, None if total is None else int(total))
+    p = sched.teacher_turn_prob(step, _horizon(config))
     if p >= 1.0:
         raise ValueError(f"agentcredit guided schedule: p0={sched.params.p0} makes every turn of step {step + 1} the "
                          f"teacher's, which leaves verl no response token to train (its rollout correction refuses "
@@ -100,6 +133,17 @@ def enter_session(worker, trajectory) -> contextvars.Token:
 
 def leave_session(token: contextvars.Token) -> None:
     WORKER.reset(token)
+
+
+@wraps_once("guided", "PPOTrainer._load_checkpoint(self)", ("self",))
+def wrap_load_checkpoint(orig):
+    """``PPOTrainer._load_checkpoint`` (called once before training): :func:`check_config` first."""
+
+    def _load_checkpoint(self, *args, **kwargs):
+        check_config(self.config)
+        return orig(self, *args, **kwargs)
+
+    return _load_checkpoint
 
 
 @wraps_once("guided", "AgentLoopWorker._run_agent_loop(self, sampling_params, trajectory, ...)",

@@ -374,7 +374,7 @@ def pearson(a: torch.Tensor, b: torch.Tensor) -> float:
 class UniOPSDTerms:
     """Every intermediate of one batch (sorted order; [S] unless noted), for tests and diagnostics."""
 
-    advantage: torch.Tensor      # [S, L] float64
+    advantage: torch.Tensor | None  # [S, L] float64 (None in the stateful call's fast path)
     a_episode: torch.Tensor
     a_step: torch.Tensor         # omega A^S
     a_opsd: torch.Tensor         # A^O
@@ -385,8 +385,8 @@ class UniOPSDTerms:
     both: torch.Tensor
     z_s: torch.Tensor
     z_o: torch.Tensor
-    delta: torch.Tensor          # [S, L], 0 off mask
-    mask: torch.Tensor           # [S, L] bool
+    delta: torch.Tensor | None   # [S, L], 0 off mask (None in the stateful call's fast path)
+    mask: torch.Tensor | None    # [S, L] bool (None in the stateful call's fast path)
     scale: float
     rho_hat: float
     c_star: float
@@ -591,7 +591,8 @@ class UniOPSD(StatefulEstimator):
         self._last_terms: UniOPSDTerms | None = None
 
     def __call__(self, steps: StepTable) -> torch.Tensor:
-        """Token advantages ``[S, L]`` float32 in the rows' input order; advances the state by one batch."""
+        """Token advantages ``[S, L]`` float32 in the rows' input order (off the mask 0, possibly -0.0: zeroed by a
+        multiply); advances the state by one batch."""
         with torch.no_grad():
             terms, new_state, out32 = _batch(steps, self.params, self._state, want32=True, keep=False)
         self._last, self._last_terms = (steps, self._state), (terms if terms.advantage is not None else None)
@@ -607,11 +608,12 @@ class UniOPSD(StatefulEstimator):
         before the first call. The call itself keeps no ``[S, L]`` float64 term (it writes the float32 output block
         by block), so these are computed on first access, from the last batch's StepTable (held until the next call;
         do not modify it in place in between) and the state before it: the same function, the same values."""
-        if self._last_terms is None and self._last is not None:
-            steps, state = self._last
-            with torch.no_grad():
-                self._last_terms = uniopsd_terms(steps, self.params, state)[0]
-        return self._last_terms
+        with self._agentcredit_lock():  # a concurrent call replaces _last and _last_terms together, under the lock
+            if self._last_terms is None and self._last is not None:
+                steps, state = self._last
+                with torch.no_grad():
+                    self._last_terms = uniopsd_terms(steps, self.params, state)[0]
+            return self._last_terms
 
     def state_dict(self) -> dict[str, Any]:
         s = self._state
