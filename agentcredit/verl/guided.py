@@ -67,20 +67,31 @@ def _horizon(config) -> int | None:
     return None if total is None else int(total)
 
 
+def _guided_scheduler(config):
+    """The guided scheduler of ``config``'s ``algorithm.agentcredit_distill`` block, or None for other schedules."""
+    block = _block(config)
+    if str(block.get("schedule", None) or "") != "guided":
+        return None
+    from .distill import scheduler_for
+
+    return scheduler_for(block)
+
+
+def _refuse_all_teacher_step(p0: float, step: int) -> None:
+    raise ValueError(f"agentcredit guided schedule: p0={p0} makes every turn of step {step} the teacher's, which "
+                     f"leaves verl no response token to train (its rollout correction refuses such a batch); use "
+                     f"algorithm.agentcredit_distill.params.p0 < 1 (0.5 is the default)")
+
+
 def check_config(config) -> None:
     """Refuse, in the trainer process before the first rollout, a guided schedule the agent loops could not run (an
     error inside a rollout session only fails its group): ``p0 >= 1``, no decay horizon, not exactly one
     distillation teacher. No-op for other schedules."""
-    block = _block(config)
-    if str(block.get("schedule", None) or "") != "guided":
+    sched = _guided_scheduler(config)
+    if sched is None:
         return
-    from .distill import scheduler_for
-
-    sched = scheduler_for(block)
     if sched.params.p0 >= 1.0:
-        raise ValueError(f"agentcredit guided schedule: p0={sched.params.p0} makes every turn of step 1 the teacher's, "
-                         f"which leaves verl no response token to train (its rollout correction refuses such a "
-                         f"batch); use algorithm.agentcredit_distill.params.p0 < 1 (0.5 is the default)")
+        _refuse_all_teacher_step(sched.params.p0, 1)
     if sched.params.decay_steps is None and _horizon(config) is None:
         raise ValueError("agentcredit guided schedule: set algorithm.agentcredit_distill.params.decay_steps (or "
                          "trainer.total_training_steps): the agent-loop workers need the decay horizon and cannot "
@@ -95,21 +106,14 @@ def check_config(config) -> None:
 
 def turn_guide(config, kwargs: Mapping[str, Any]) -> TurnGuide | None:
     """The guide of one session (None: no guided schedule, validation, or ``p_k = 0``)."""
-    block = _block(config)
-    if str(block.get("schedule", None) or "") != "guided":
-        return None
+    sched = _guided_scheduler(config)
     worker = WORKER.get() or {}
-    if worker.get("validate", False):
+    if sched is None or worker.get("validate", False):
         return None
-    from .distill import scheduler_for
-
-    sched = scheduler_for(block)
     step = max(int(kwargs.get("global_steps", 1) or 1) - 1, 0)
     p = sched.teacher_turn_prob(step, _horizon(config))
     if p >= 1.0:
-        raise ValueError(f"agentcredit guided schedule: p0={sched.params.p0} makes every turn of step {step + 1} the "
-                         f"teacher's, which leaves verl no response token to train (its rollout correction refuses "
-                         f"such a batch); use algorithm.agentcredit_distill.params.p0 < 1 (0.5 is the default)")
+        _refuse_all_teacher_step(sched.params.p0, step + 1)
     if p <= 0.0:
         return None
     clients = worker.get("teacher_client") or {}
