@@ -418,6 +418,13 @@ def test_bad_agentcredit_distill_block_is_an_error_listing_the_valid_keys():
     with pytest.raises(ValueError, match=r"schedule='nope' is not a scheduler"):
         bridge.schedule_step(trainer, None, {}, None)
     bridge.SCHEDULER.clear()
+    for block, match in [({"schedul": "opw"}, r"agentcredit_distill: unknown key\(s\) \['schedul'\]; valid keys are "
+                                              r"\['loss', 'params', 'schedule'\]"),
+                         ("opw", r"agentcredit_distill must be a mapping with keys \['loss', 'params', 'schedule'\], "
+                                 r"got 'opw'")]:
+        with pytest.raises(ValueError, match=match):
+            bridge._block(OmegaConf.create({"algorithm": {bridge.CONFIG_KEY: block}}))
+    assert bridge._block(OmegaConf.create({"algorithm": {}})) == {} and bridge._block({}) == {}
 
 
 def test_scheduler_state_is_saved_with_the_checkpoint_and_restored(tmp_path):

@@ -644,7 +644,8 @@ def test_ccm_and_archive_with_verls_own_estimator_fail_instead_of_doing_nothing(
 
 @pytest.mark.parametrize("block,match", [({"distill_lambda": -1}, "distill_lambda=-1"),
                                          ({"distill_beta": float("nan")}, "distill_beta=nan"),
-                                         ({"lambda": 0.1}, r"unknown key\(s\) \['lambda'\]")])
+                                         ({"lambda": 0.1}, r"unknown key\(s\) \['lambda'\]"),
+                                         ([0.1], r"agentcredit_ccm must be a mapping with keys")])
 def test_ccm_params_are_validated(block, match):
     from agentcredit.verl.ccm import ccm_params
 

@@ -9,6 +9,8 @@ Every verl hook of :mod:`agentcredit.verl` goes through these helpers:
   each does so exactly once, whatever the order and however often the hooks are installed) and marks the result.
 * :func:`install_post_import_hooks`: run a patch when (or, if already imported, as soon as) a verl module loads
   (``wrapt``), logging a failure loudly since verl hides plugin errors at DEBUG level.
+* :func:`algorithm_entry` / :func:`algorithm_mapping`: one ``algorithm.agentcredit_*`` entry of verl's algorithm
+  config (a DictConfig, a dataclass or a dict) as plain Python, a mapping's keys checked.
 * :func:`save_folder` / :func:`load_folder`: the ``global_step_N`` folder verl just saved to, or resumed from;
   :func:`checkpoint_wraps`: the ``PPOTrainer._save_checkpoint`` / ``_load_checkpoint`` wraps that keep a piece of
   agentcredit state (the estimators', the distillation scheduler's) in that folder.
@@ -88,6 +90,32 @@ def _loud(patch, consequence: str):
             raise
 
     return run
+
+
+def algorithm_entry(algorithm: Any, key: str) -> Any:
+    """``algorithm.<key>`` of verl's algorithm config as plain Python (OmegaConf nodes converted); None when unset."""
+    if algorithm is None:
+        return None
+    value = algorithm.get(key, None) if hasattr(algorithm, "get") else getattr(algorithm, key, None)
+    if value is not None and hasattr(value, "_get_node"):
+        from omegaconf import OmegaConf
+
+        value = OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def algorithm_mapping(algorithm: Any, key: str, valid) -> dict[str, Any] | None:
+    """The mapping ``algorithm.<key>`` (None when unset); a ``ValueError`` naming the entry for anything else, or
+    for a key outside ``valid``."""
+    value = algorithm_entry(algorithm, key)
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"algorithm.{key} must be a mapping with keys {sorted(valid)}, got {value!r}")
+    unknown = sorted(set(value) - set(valid))
+    if unknown:
+        raise ValueError(f"algorithm.{key}: unknown key(s) {unknown}; valid keys are {sorted(valid)}")
+    return dict(value)
 
 
 def save_folder(trainer) -> str | None:

@@ -30,6 +30,7 @@ from typing import Any
 
 from credit_plugins.hashing import stable_hash
 
+from ._compat import algorithm_entry
 from .contract import ACTION, ANCHOR, STEP_IDX, STEP_REWARD, SUCCESS, TRAJ, TRUNCATED, RowMeta
 
 __all__ = ["ARCHIVE_KEY", "archive_path", "archived_trajectories", "write_archive"]
@@ -42,7 +43,7 @@ _WRITERS: dict[str, Any] = {}
 
 def archive_path(algorithm: Any) -> str | None:
     """``algorithm.agentcredit_archive`` of verl's algorithm config (None when unset)."""
-    value = algorithm.get(ARCHIVE_KEY, None) if hasattr(algorithm, "get") else getattr(algorithm, ARCHIVE_KEY, None)
+    value = algorithm_entry(algorithm, ARCHIVE_KEY)
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip():

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._compat import algorithm_mapping
 from .contract import RowMeta
 from .hindsight import field_rows, score_prompts
 
@@ -51,18 +52,9 @@ DEFAULTS = {"distill_lambda": 0.01, "distill_beta": 5.0}
 
 def ccm_params(algorithm: Any) -> tuple[float, float] | None:
     """``(lambda, beta)`` from ``algorithm.agentcredit_ccm`` (None when the block is absent or lambda is 0)."""
-    block = algorithm.get(CONFIG_KEY, None) if hasattr(algorithm, "get") else getattr(algorithm, CONFIG_KEY, None)
+    block = algorithm_mapping(algorithm, CONFIG_KEY, DEFAULTS)
     if block is None:
         return None
-    if hasattr(block, "_get_node"):
-        from omegaconf import OmegaConf
-
-        block = OmegaConf.to_container(block, resolve=True)
-    if not isinstance(block, dict):
-        raise ValueError(f"algorithm.{CONFIG_KEY} must be a mapping like {DEFAULTS}, got {block!r}")
-    unknown = sorted(set(block) - set(DEFAULTS))
-    if unknown:
-        raise ValueError(f"algorithm.{CONFIG_KEY}: unknown key(s) {unknown}; valid keys are {sorted(DEFAULTS)}")
     values = {**DEFAULTS, **block}
     for key, v in values.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:

@@ -107,8 +107,8 @@ import torch
 
 from distill_plugins import losses as L
 
-from ._compat import (SUPPORTED, VerlInternalsChanged, check_signature, checkpoint_wraps, install_post_import_hooks,
-                      wraps_once)
+from ._compat import (SUPPORTED, VerlInternalsChanged, algorithm_mapping, check_signature, checkpoint_wraps,
+                      install_post_import_hooks, wraps_once)
 
 logger = logging.getLogger("agentcredit")
 
@@ -412,18 +412,7 @@ PENDING: dict[str, Any] = {}
 
 def _block(config) -> dict[str, Any]:
     algo = config.get("algorithm", None) if hasattr(config, "get") else None
-    sub = algo.get(CONFIG_KEY, None) if algo is not None else None
-    if sub is None:
-        return {}
-    if not isinstance(sub, Mapping) or hasattr(sub, "_get_node"):
-        from omegaconf import OmegaConf
-
-        sub = OmegaConf.to_container(sub, resolve=True)
-    unknown = sorted(set(sub) - {"schedule", "params", "loss"})
-    if unknown:
-        raise ValueError(f"algorithm.{CONFIG_KEY}: unknown key(s) {unknown}; valid keys are "
-                         f"['loss', 'params', 'schedule']")
-    return dict(sub)
+    return algorithm_mapping(algo, CONFIG_KEY, ("schedule", "params", "loss")) or {}
 
 
 def scheduler_for(block: Mapping[str, Any]):
