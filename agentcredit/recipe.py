@@ -42,7 +42,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Recipe", "AgentCreditConfig", "EvalConfig", "RecipeError", "load_recipe", "is_verl_recipe",
+__all__ = ["Recipe", "AgentCreditConfig", "EvalConfig", "WarmStartConfig", "RecipeError", "load_recipe", "is_verl_recipe",
            "BRIDGES", "PROMPT_STYLES", "parse_overrides", "apply_overrides", "check_seed_budget"]
 
 BRIDGES = ("rollout_func", "environment_factory")
@@ -77,6 +77,17 @@ class EvalConfig:
 
 
 @dataclass
+class WarmStartConfig:
+    """A supervised warm start before RL (``agentcredit.warm_start``): :func:`agentcredit.sft.run_sft` on the env's
+    scripted expert in the rollout's own turn format, made once per ``output_dir`` (``<output_dir>/warm_start``)."""
+
+    steps: int = 400
+    batch_size: int = 32
+    learning_rate: float = 1e-3
+    episodes: int = 1024
+
+
+@dataclass
 class AgentCreditConfig:
     """The ``agentcredit:`` block of a recipe (see ``recipes/trl/README.md``)."""
 
@@ -101,6 +112,7 @@ class AgentCreditConfig:
     lora: dict[str, Any] | None = None
     train_seeds: list[int] = field(default_factory=lambda: [0, 100000])  # half-open range [lo, hi)
     eval: EvalConfig | None = field(default_factory=EvalConfig)
+    warm_start: WarmStartConfig | None = None
 
     def lora_kwargs(self) -> dict[str, Any] | None:
         """``peft.LoraConfig`` keyword arguments for :attr:`lora` (``None`` without LoRA)."""
@@ -337,6 +349,27 @@ def _seed_range(name: str, value: Any) -> list[int]:
     return [int(value[0]), int(value[1])]
 
 
+def _warm_start(block: Any) -> WarmStartConfig | None:
+    """``agentcredit.warm_start``: null (no warm start) or a mapping of :class:`WarmStartConfig`'s keys."""
+    if block is None or block is False:
+        return None
+    if block is True:
+        block = {}
+    names = [f.name for f in dataclasses.fields(WarmStartConfig)]
+    if not isinstance(block, dict):
+        raise RecipeError(f"agentcredit.warm_start must be a mapping ({', '.join(names)}) or null, got {block!r}")
+    for key in block:
+        if key not in names:
+            raise _unknown_key("agentcredit.warm_start", key, names)
+    ws = WarmStartConfig(**block)
+    for key in ("steps", "batch_size", "episodes"):
+        _positive(f"warm_start.{key}", getattr(ws, key))
+    lr = ws.learning_rate
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+        raise RecipeError(f"agentcredit.warm_start.learning_rate must be a finite number > 0, got {lr!r}")
+    return ws
+
+
 def _agentcredit(block: Any, model_args: dict[str, Any], build_env: bool) -> AgentCreditConfig:
     from credit_plugins import registry
 
@@ -347,6 +380,7 @@ def _agentcredit(block: Any, model_args: dict[str, Any], build_env: bool) -> Age
         if key not in names:
             raise _unknown_key("the agentcredit block", key, names)
     values = {k: v for k, v in block.items()}
+    warm = values.pop("warm_start", None)
 
     # eval
     ev = values.pop("eval", {})
@@ -368,7 +402,7 @@ def _agentcredit(block: Any, model_args: dict[str, Any], build_env: bool) -> Age
     else:
         raise RecipeError(f"agentcredit.eval must be a mapping (seeds, temperature, greedy, before, after, "
                           f"batch_size, sampling_seed) or null, got {ev!r}")
-    ac = AgentCreditConfig(**values, eval=eval_cfg)
+    ac = AgentCreditConfig(**values, eval=eval_cfg, warm_start=_warm_start(warm))
     for key in ("env_options", "credit_params", "rollout_options"):
         if getattr(ac, key) is None:
             setattr(ac, key, {})

@@ -23,7 +23,17 @@ from typing import Any
 
 from .recipe import Recipe, RecipeError
 
-__all__ = ["expert_turns", "run_sft"]
+__all__ = ["expert_turns", "fingerprint", "run_sft"]
+
+
+def fingerprint(recipe: Recipe, **settings: Any) -> dict[str, Any]:
+    """What an SFT checkpoint depends on: the model, the turn format, the seeds and the SFT settings (JSON-safe)."""
+    ac = recipe.agentcredit
+    raw = {"model": recipe.model_args["model_name_or_path"], "env": ac.env, "env_options": dict(ac.env_options),
+           "max_turns": ac.max_turns, "prompt": ac.prompt, "history_length": ac.history_length, "system": ac.system,
+           "freeze_layers": ac.freeze_layers, "lora": ac.lora, "train_seeds": list(ac.train_seeds),
+           "eval_seeds": list(ac.eval.seeds) if ac.eval is not None else None, **settings}
+    return json.loads(json.dumps(raw, default=str))
 
 
 def expert_turns(recipe: Recipe, tokenizer, seeds: list[int], rng: random.Random) -> list[tuple[list[int], list[int]]]:
@@ -123,6 +133,8 @@ def run_sft(recipe: Recipe, out: str, episodes: int = 256, steps: int = 60, batc
     model.eval()
     target = Path(out)
     target.mkdir(parents=True, exist_ok=True)
+    if callable(getattr(model, "merge_and_unload", None)):  # LoRA: save a plain checkpoint, loadable without peft
+        model = model.merge_and_unload()
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
     result = None
@@ -135,7 +147,9 @@ def run_sft(recipe: Recipe, out: str, episodes: int = 256, steps: int = 60, batc
     summary = {"recipe": recipe.path, "overrides": list(recipe.overrides), "model": model_path, "out": str(target),
                "episodes": episodes, "turns": len(rows), "steps": steps, "batch_size": batch_size,
                "learning_rate": learning_rate, "loss_first": log[0], "loss_last": log[-1],
-               "seconds": round(time.time() - t0, 1), "eval": train._as_dict(result)}
+               "seconds": round(time.time() - t0, 1), "eval": train._as_dict(result),
+               "fingerprint": fingerprint(recipe, episodes=episodes, steps=steps, batch_size=batch_size,
+                                          learning_rate=learning_rate)}
     (target / "sft_summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     print(str(target), flush=True)
     return summary

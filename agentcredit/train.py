@@ -5,6 +5,11 @@ Nothing here is a trainer: :func:`run` loads the model, builds the environment b
 ``agentcredit.trl.make_trainer(GRPOTrainer, credit=...)`` and calls ``trainer.train()``. Around it: a held-out
 evaluation before and after (success with its 95 % interval and the valid-action rate), ``metrics.jsonl``,
 ``summary.json`` and ``learning_curve.png`` in the run's ``output_dir``.
+
+With ``agentcredit.warm_start`` the model is first fine-tuned on the env's scripted expert
+(:func:`agentcredit.sft.run_sft`, the rollout's own turn format) into ``<output_dir>/warm_start``, and RL starts from
+there; the ``before`` evaluation is the warm start's. A rerun with the same model and warm-start settings reuses
+that checkpoint.
 """
 
 from __future__ import annotations
@@ -96,13 +101,37 @@ def format_eval_table(before: Any, after: Any, header: str = "") -> str:
     return "\n".join(lines)
 
 
-def _load_model(recipe: Recipe):
+def warm_start(recipe: Recipe, out_dir: Path) -> str:
+    """The checkpoint of ``agentcredit.warm_start`` in ``out_dir/warm_start``: reused when its ``sft_summary.json``
+    records the same model, env and warm-start settings, else made now (:func:`agentcredit.sft.run_sft`)."""
+    from . import sft
+
+    ws = recipe.agentcredit.warm_start
+    target = out_dir / "warm_start"
+    want = sft.fingerprint(recipe, episodes=ws.episodes, steps=ws.steps, batch_size=ws.batch_size,
+                           learning_rate=ws.learning_rate)
+    done = target / "sft_summary.json"
+    if done.exists() and (target / "config.json").exists():
+        try:
+            have = json.loads(done.read_text()).get("fingerprint")
+        except (OSError, ValueError):
+            have = None
+        if have == want:
+            print(f"agentcredit train: warm start reused from {target}", flush=True)
+            return str(target)
+    print(f"agentcredit train: warm start: {ws.steps} supervised steps on the scripted expert -> {target}", flush=True)
+    sft.run_sft(recipe, str(target), episodes=ws.episodes, steps=ws.steps, batch_size=ws.batch_size,
+                learning_rate=ws.learning_rate, eval=False)
+    return str(target)
+
+
+def _load_model(recipe: Recipe, path: str | None = None):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     margs = recipe.model_args
-    path = models.resolve_model(margs["model_name_or_path"])
-    revision = margs.get("model_revision") or None
+    revision = None if path else (margs.get("model_revision") or None)  # a local warm start has no revisions
+    path = path or models.resolve_model(margs["model_name_or_path"])
     tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -190,8 +219,9 @@ def run(recipe: Recipe, max_steps: int | None = None, eval: bool = True) -> RunR
     do_before = bool(eval and ac.eval is not None and ac.eval.before)
     do_after = bool(eval and ac.eval is not None and ac.eval.after)
 
-    # model
-    model_path, tokenizer, model = _load_model(recipe)
+    # model (after the supervised warm start, when the recipe asks for one)
+    start = warm_start(recipe, out_dir) if ac.warm_start is not None else None
+    model_path, tokenizer, model = _load_model(recipe, start)
     model, trainable, total = _adapt_model(model, recipe)
     print(f"agentcredit train: {recipe.path} | model {recipe.model_args['model_name_or_path']} ({model_path}) | "
           f"{trainable:,} of {total:,} parameters trainable | env {ac.env} {ac.env_options} | bridge {ac.bridge} | "
@@ -262,6 +292,7 @@ def run(recipe: Recipe, max_steps: int | None = None, eval: bool = True) -> RunR
         "train_seconds": round(train_seconds, 2), "trainable_parameters": trainable,
         "before": _as_dict(before), "after": _as_dict(after), "train": dict(metrics_cb.summary),
         "metrics": str(metrics_cb.path), "learning_curve": png, "precision": recipe.precision,
+        "warm_start": start,
     }
     summary_path = out_dir / "summary.json"
     summary_path.write_text(json.dumps(summary, indent=2, default=str) + "\n")

