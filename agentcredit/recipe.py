@@ -293,7 +293,7 @@ def load_recipe(path: str | os.PathLike, overrides=(), validate_trl: bool = True
                               f"them) plus the 'agentcredit' block")
     if not model_args.get("model_name_or_path"):
         raise RecipeError("model_name_or_path is missing: set a model (a local checkpoint folder, a hub id, or "
-                          "one of the built-in names 'smollm2-135m-instruct', 'tiny-qwen2')")
+                          "one of the built-in names 'smollm2-135m-instruct', 'tiny-qwen2', 'tiny-qwen2-4x256')")
     ac = _agentcredit(block, model_args, build_env=build_env)
     _check_trl_types(trl_args)
     _derive_geometry(trl_args, ac)
@@ -475,6 +475,11 @@ def _agentcredit(block: Any, model_args: dict[str, Any], build_env: bool) -> Age
         if importlib.util.find_spec("peft") is None:
             raise ImportError("agentcredit.lora needs the peft package: pip install peft (or agentcredit[trl])")
 
+    if ac.warm_start is not None and (ac.bridge != "rollout_func" or ac.rollout != "turns"):
+        raise RecipeError(f"agentcredit.warm_start trains on the Markovian turn prompts of bridge: rollout_func with "
+                          f"rollout: turns; this recipe plays bridge: {ac.bridge}, rollout: {ac.rollout}, whose "
+                          f"prompts differ. Make a checkpoint with `agentcredit sft` instead, or drop warm_start")
+
     # environment
     envs = registry.available("envs")
     if ac.env not in envs:
@@ -482,7 +487,7 @@ def _agentcredit(block: Any, model_args: dict[str, Any], build_env: bool) -> Age
                           f"available: {', '.join(envs)}")
     if build_env:
         try:
-            registry.get(ac.env, kind="envs")(**ac.env_options)
+            env = registry.get(ac.env, kind="envs")(**ac.env_options)
         except ImportError as e:
             raise ImportError(f"agentcredit.env={ac.env!r}: {e}") from e
         except (ValueError, TypeError) as e:
@@ -490,6 +495,13 @@ def _agentcredit(block: Any, model_args: dict[str, Any], build_env: bool) -> Age
         except (MemoryError, OverflowError) as e:
             raise RecipeError(f"agentcredit.env_options {ac.env_options} for env {ac.env!r} build a game too large "
                               f"for this machine ({type(e).__name__}); use smaller sizes") from None
+        if ac.warm_start is not None:
+            try:
+                env.reset(ac.train_seeds[0])
+                env.expert_actions()
+            except (AttributeError, NotImplementedError):
+                raise RecipeError(f"agentcredit.warm_start needs a scripted expert (expert_actions()); env {ac.env!r} "
+                                  f"with {ac.env_options} has none (MiniGrid with moves=absolute has one)") from None
     return ac
 
 

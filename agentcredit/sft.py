@@ -8,7 +8,8 @@ run uses first, never an eval seed) the env's scripted expert (``env.expert_acti
 shortest path; one drawn at random when several tie) plays an episode; every turn becomes one example, prompt = the
 rollout's Markovian prompt with the forced ``<action>`` (exactly what :class:`agentcredit.trl.rollouts.TurnRollout` feeds
 the model), target = ``"{action}</action>"``. Cross-entropy on the target tokens only, AdamW, the recipe's
-``freeze_layers`` / dtype. The checkpoint (weights, tokenizer, ``sft_summary.json``) goes to ``--out``; the
+``freeze_layers`` / dtype (a LoRA run is saved merged, as a plain checkpoint). The checkpoint (weights, tokenizer,
+``sft_summary.json``) goes to ``--out``; the
 held-out evaluation of the recipe (same seeds, temperature) runs on it, so its success is the ceiling that the
 distillation benchmark reports.
 """
@@ -27,9 +28,15 @@ __all__ = ["expert_turns", "fingerprint", "run_sft"]
 
 
 def fingerprint(recipe: Recipe, **settings: Any) -> dict[str, Any]:
-    """What an SFT checkpoint depends on: the model, the turn format, the seeds and the SFT settings (JSON-safe)."""
-    ac = recipe.agentcredit
-    raw = {"model": recipe.model_args["model_name_or_path"], "env": ac.env, "env_options": dict(ac.env_options),
+    """What an SFT checkpoint depends on: the model (and how it is loaded), the precision, the turn format, the seeds,
+    the SFT settings and agentcredit's version (the expert and the prompts are its code); JSON-safe."""
+    from . import __version__
+
+    ac, margs = recipe.agentcredit, recipe.model_args
+    raw = {"model": margs["model_name_or_path"], "model_revision": margs.get("model_revision"),
+           "dtype": margs.get("dtype"), "attn_implementation": margs.get("attn_implementation"),
+           "bf16": recipe.trl_args.get("bf16"), "agentcredit": __version__,
+           "env": ac.env, "env_options": dict(ac.env_options),
            "max_turns": ac.max_turns, "prompt": ac.prompt, "history_length": ac.history_length, "system": ac.system,
            "freeze_layers": ac.freeze_layers, "lora": ac.lora, "train_seeds": list(ac.train_seeds),
            "eval_seeds": list(ac.eval.seeds) if ac.eval is not None else None, **settings}
@@ -107,6 +114,9 @@ def run_sft(recipe: Recipe, out: str, episodes: int = 256, steps: int = 60, batc
     e_lo, e_hi = ac.eval.seeds if ac.eval is not None else (0, 0)
     rng = random.Random(seed)
     pool = [s for s in range(hi - 1, lo - 1, -1) if not e_lo <= s < e_hi][:max(episodes * 4, episodes)]
+    if len(pool) < episodes:
+        raise RecipeError(f"{episodes} expert episodes need as many training seeds; agentcredit.train_seeds="
+                          f"{ac.train_seeds} holds {len(pool)} outside the eval seeds: widen it or use fewer episodes")
     seeds = rng.sample(pool, episodes)  # from the top of the range: train_seeds() samples the whole range
     model_path, tokenizer, model = train._load_model(recipe)
     model, trainable, total = train._adapt_model(model, recipe)

@@ -131,7 +131,7 @@ def test_the_demo_model_is_a_larger_tiny_qwen2_with_the_same_tokenizer(tmp_path,
 
     monkeypatch.setenv("AGENTCREDIT_CACHE", str(tmp_path))  # built here, not taken from the user's cache
     big, small = models.resolve_model("tiny-qwen2-4x256"), models.resolve_model("tiny-qwen2")
-    assert big == str(tmp_path / "models" / "tiny-qwen2-4x256") and big != small
+    assert big == str(tmp_path / "models" / "tiny-qwen2-4x256")
     cb, cs = AutoConfig.from_pretrained(big), AutoConfig.from_pretrained(small)
     assert (cb.num_hidden_layers, cb.hidden_size, cs.num_hidden_layers, cs.hidden_size) == (4, 256, 2, 64)
     tb, ts = AutoTokenizer.from_pretrained(big), AutoTokenizer.from_pretrained(small)
@@ -152,9 +152,70 @@ def test_warm_start_block_is_validated():
                             ("agentcredit.warm_start.episodes=2.5", r"agentcredit.warm_start.episodes must be"),
                             ("agentcredit.warm_start.learning_rate=.nan", r"warm_start.learning_rate must be a finite"),
                             ("agentcredit.warm_start.learning_rate=fast", r"warm_start.learning_rate must be a finite"),
-                            ("agentcredit.warm_start=[1]", r"agentcredit.warm_start must be a mapping")]:
+                            ("agentcredit.warm_start=[1]", r"agentcredit.warm_start must be a mapping"),
+                            ("agentcredit.rollout=memory", r"warm_start trains on the Markovian turn prompts.*"
+                                                           r"rollout: memory"),
+                            ("agentcredit.env_options={size: 6, moves: relative}", r"warm_start needs a scripted "
+                                                                                   r"expert")]:
         with pytest.raises(RecipeError, match=match):
             load_recipe(TINY_DEMO, [override])
+
+
+def test_warm_start_is_built_aside_so_an_interrupted_one_is_never_reused(tmp_path, monkeypatch):
+    """A warm start that dies halfway leaves the previous checkpoint (and its summary) untouched and no debris; a
+    rerun then makes it again. Multi-process launches and too few training seeds are refused by name."""
+    from agentcredit import sft, train
+
+    recipe = load_recipe(TINY_DEMO, ["agentcredit.warm_start={steps: 3, episodes: 4}"])
+    target = tmp_path / "warm_start"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    old = {"fingerprint": {"an": "older warm start"}}
+    (target / "sft_summary.json").write_text(json.dumps(old))
+
+    def dies_halfway(recipe, out, **kw):
+        Path(out, "model.safetensors").write_text("half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sft, "run_sft", dies_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        train.warm_start(recipe, tmp_path)
+    assert json.loads((target / "sft_summary.json").read_text()) == old
+    assert not (target / "model.safetensors").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["warm_start"]
+
+    made = []
+
+    def completes(recipe, out, **kw):
+        made.append(kw)
+        Path(out, "config.json").write_text("{}")
+        Path(out, "sft_summary.json").write_text(json.dumps({"out": out, "fingerprint": sft.fingerprint(recipe, **{
+            k: kw[k] for k in ("episodes", "steps", "batch_size", "learning_rate")})}))
+
+    monkeypatch.setattr(sft, "run_sft", completes)
+    assert train.warm_start(recipe, tmp_path) == str(target)
+    assert json.loads((target / "sft_summary.json").read_text())["out"] == str(target)
+    assert train.warm_start(recipe, tmp_path) == str(target) and len(made) == 1  # the second call reuses it
+    assert made[0]["steps"] == 3 and made[0]["episodes"] == 4 and made[0]["eval"] is False
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RecipeError, match=r"warm_start runs in one process.*agentcredit sft"):
+        train.warm_start(recipe, tmp_path)
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.undo()
+    few = load_recipe(TINY_DEMO, ["agentcredit.train_seeds=[0,10]", "max_steps=2"])
+    with pytest.raises(RecipeError, match=r"1024 expert episodes need as many training seeds.*holds 10"):
+        sft.run_sft(few, str(tmp_path / "x"), episodes=1024, steps=1)
+
+
+def test_the_warm_start_fingerprint_follows_what_changes_the_checkpoint():
+    from agentcredit import sft
+
+    base = sft.fingerprint(load_recipe(TINY_DEMO), steps=400)
+    for override in ("model_revision=abc", "bf16=true", "agentcredit.env_options.size=5", "agentcredit.max_turns=5",
+                     "agentcredit.system=Play.", "agentcredit.eval.seeds=[40000,40064]"):
+        assert sft.fingerprint(load_recipe(TINY_DEMO, [override], validate_trl=False), steps=400) != base, override
+    assert sft.fingerprint(load_recipe(TINY_DEMO, ["learning_rate=3e-4"]), steps=400) == base  # the RL lr: no
+    assert sft.fingerprint(load_recipe(TINY_DEMO), steps=401) != base
 
 
 def test_tensorboard_added_unless_report_to_is_set(tmp_path):
