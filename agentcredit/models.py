@@ -26,7 +26,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-__all__ = ["BUILTIN_MODELS", "cache_dir", "resolve_model", "build_tiny_qwen2", "export_smollm2", "freeze_lower_layers"]
+__all__ = ["BUILTIN_MODELS", "cache_dir", "resolve_model", "build_atomically", "build_tiny_qwen2", "export_smollm2",
+           "freeze_lower_layers"]
 
 SMOLLM2 = "smollm2-135m-instruct"
 TINY = "tiny-qwen2"
@@ -46,7 +47,7 @@ def resolve_model(name_or_path: str) -> str:
         return str(name_or_path)
     target = cache_dir() / "models" / key
     if not (target / "config.json").exists():
-        _build_atomically(target, _builder(key))
+        build_atomically(target, _builder(key))
     return str(target)
 
 
@@ -58,13 +59,14 @@ def _builder(key: str):
     return build_tiny_qwen2
 
 
-def _build_atomically(target: Path, build) -> None:
-    """Build into a temporary sibling folder and rename it, so an interrupted build never leaves a half checkpoint."""
+def build_atomically(target: Path, build, replace: bool = False) -> None:
+    """Build into a temporary sibling folder and rename it to ``target``, so an interrupted build never leaves a half
+    checkpoint there. Without ``replace`` an existing checkpoint (``config.json``) wins: another process built it."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
         build(tmp)
-        if (target / "config.json").exists():  # another process won the race
+        if not replace and (target / "config.json").exists():  # another process won the race
             return
         if target.exists():
             shutil.rmtree(target)

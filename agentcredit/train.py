@@ -105,9 +105,6 @@ def warm_start(recipe: Recipe, out_dir: Path) -> str:
     """The checkpoint of ``agentcredit.warm_start`` in ``out_dir/warm_start``: reused when its ``sft_summary.json``
     records the same fingerprint (:func:`agentcredit.sft.fingerprint`), else made now (:func:`agentcredit.sft.run_sft`)
     in a sibling folder and renamed into place, so an interrupted run never leaves weights a rerun would reuse."""
-    import shutil
-    import tempfile
-
     from . import sft
 
     ws = recipe.agentcredit.warm_start
@@ -128,16 +125,9 @@ def warm_start(recipe: Recipe, out_dir: Path) -> str:
             print(f"agentcredit train: warm start reused from {target}", flush=True)
             return str(target)
     print(f"agentcredit train: warm start: {ws.steps} supervised steps on the scripted expert -> {target}", flush=True)
-    tmp = Path(tempfile.mkdtemp(prefix="warm_start.", dir=out_dir))
-    try:
-        sft.run_sft(recipe, str(tmp), episodes=ws.episodes, steps=ws.steps, batch_size=ws.batch_size,
-                    learning_rate=ws.learning_rate, eval=False)
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    models.build_atomically(target, lambda tmp: sft.run_sft(
+        recipe, str(tmp), episodes=ws.episodes, steps=ws.steps, batch_size=ws.batch_size,
+        learning_rate=ws.learning_rate, eval=False), replace=True)
     summary = json.loads(done.read_text())  # run_sft recorded the folder it wrote; record where it now is
     summary["out"] = str(target)
     done.write_text(json.dumps(summary, indent=2, default=str) + "\n")

@@ -262,10 +262,8 @@ def primed_tiny_model(answers: Sequence[str] = PRIME_ANSWERS, steps: int = 150, 
     few seconds to build once).
     """
     import hashlib
-    import shutil
-    import tempfile
 
-    from agentcredit.models import TINY, cache_dir, resolve_model
+    from agentcredit.models import TINY, build_atomically, cache_dir, resolve_model
 
     if context not in ("transcript", "memory"):
         raise ValueError(f"context={context!r}; use 'transcript' or 'memory'")
@@ -316,18 +314,11 @@ def primed_tiny_model(answers: Sequence[str] = PRIME_ANSWERS, steps: int = 150, 
         (loss / len(idx)).backward()
         opt.step()
     model.eval()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    try:
+    def save(tmp: Path) -> None:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        if not (target / "config.json").exists():
-            if target.exists():
-                shutil.rmtree(target)
-            tmp.rename(target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+
+    build_atomically(target, save)
     return str(target)
 
 
