@@ -349,25 +349,47 @@ def _seed_range(name: str, value: Any) -> list[int]:
     return [int(value[0]), int(value[1])]
 
 
-def _warm_start(block: Any) -> WarmStartConfig | None:
-    """``agentcredit.warm_start``: null (no warm start) or a mapping of :class:`WarmStartConfig`'s keys."""
+def _positive_number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise RecipeError(f"agentcredit.{name} must be a finite number > 0, got {value!r}")
+    return value
+
+
+def _sub_block(name: str, block: Any, cls: type) -> Any:
+    """``agentcredit.<name>``: null or false (off), true (the defaults) or a mapping of ``cls``'s keys."""
     if block is None or block is False:
         return None
     if block is True:
         block = {}
-    names = [f.name for f in dataclasses.fields(WarmStartConfig)]
+    names = [f.name for f in dataclasses.fields(cls)]
     if not isinstance(block, dict):
-        raise RecipeError(f"agentcredit.warm_start must be a mapping ({', '.join(names)}) or null, got {block!r}")
+        raise RecipeError(f"agentcredit.{name} must be a mapping ({', '.join(names)}) or null, got {block!r}")
     for key in block:
         if key not in names:
-            raise _unknown_key("agentcredit.warm_start", key, names)
-    ws = WarmStartConfig(**block)
-    for key in ("steps", "batch_size", "episodes"):
-        _positive(f"warm_start.{key}", getattr(ws, key))
-    lr = ws.learning_rate
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
-        raise RecipeError(f"agentcredit.warm_start.learning_rate must be a finite number > 0, got {lr!r}")
+            raise _unknown_key(f"agentcredit.{name}", key, names)
+    return cls(**block)
+
+
+def _warm_start(block: Any) -> WarmStartConfig | None:
+    """``agentcredit.warm_start``: null (no warm start) or a mapping of :class:`WarmStartConfig`'s keys."""
+    ws = _sub_block("warm_start", block, WarmStartConfig)
+    if ws is not None:
+        for key in ("steps", "batch_size", "episodes"):
+            _positive(f"warm_start.{key}", getattr(ws, key))
+        _positive_number("warm_start.learning_rate", ws.learning_rate)
     return ws
+
+
+def _eval(block: Any) -> EvalConfig | None:
+    """``agentcredit.eval``: null (no held-out evaluation) or a mapping of :class:`EvalConfig`'s keys."""
+    ev = _sub_block("eval", block, EvalConfig)
+    if ev is not None:
+        ev.seeds = _seed_range("eval.seeds", ev.seeds)
+        _positive("eval.batch_size", ev.batch_size)
+        if isinstance(ev.sampling_seed, bool) or not isinstance(ev.sampling_seed, int):
+            raise RecipeError(f"agentcredit.eval.sampling_seed must be an integer, got {ev.sampling_seed!r}")
+        _positive_number("eval.temperature", ev.temperature)
+    return ev
 
 
 def _agentcredit(block: Any, model_args: dict[str, Any], build_env: bool) -> AgentCreditConfig:
@@ -380,29 +402,8 @@ def _agentcredit(block: Any, model_args: dict[str, Any], build_env: bool) -> Age
         if key not in names:
             raise _unknown_key("the agentcredit block", key, names)
     values = {k: v for k, v in block.items()}
-    warm = values.pop("warm_start", None)
-
-    # eval
-    ev = values.pop("eval", {})
-    if ev is None or ev is False:
-        eval_cfg = None
-    elif isinstance(ev, dict):
-        eval_names = [f.name for f in dataclasses.fields(EvalConfig)]
-        for key in ev:
-            if key not in eval_names:
-                raise _unknown_key("agentcredit.eval", key, eval_names)
-        eval_cfg = EvalConfig(**ev)
-        eval_cfg.seeds = _seed_range("eval.seeds", eval_cfg.seeds)
-        _positive("eval.batch_size", eval_cfg.batch_size)
-        if isinstance(eval_cfg.sampling_seed, bool) or not isinstance(eval_cfg.sampling_seed, int):
-            raise RecipeError(f"agentcredit.eval.sampling_seed must be an integer, got {eval_cfg.sampling_seed!r}")
-        if isinstance(eval_cfg.temperature, bool) or not isinstance(eval_cfg.temperature, (int, float)) or \
-                not math.isfinite(eval_cfg.temperature) or eval_cfg.temperature <= 0:
-            raise RecipeError(f"agentcredit.eval.temperature must be > 0, got {eval_cfg.temperature!r}")
-    else:
-        raise RecipeError(f"agentcredit.eval must be a mapping (seeds, temperature, greedy, before, after, "
-                          f"batch_size, sampling_seed) or null, got {ev!r}")
-    ac = AgentCreditConfig(**values, eval=eval_cfg, warm_start=_warm_start(warm))
+    ev, warm = _eval(values.pop("eval", {})), _warm_start(values.pop("warm_start", None))
+    ac = AgentCreditConfig(**values, eval=ev, warm_start=warm)
     for key in ("env_options", "credit_params", "rollout_options"):
         if getattr(ac, key) is None:
             setattr(ac, key, {})

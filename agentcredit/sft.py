@@ -101,9 +101,11 @@ def _batches(rows, batch_size: int, steps: int, rng: random.Random, pad: int):
 
 
 def run_sft(recipe: Recipe, out: str, episodes: int = 256, steps: int = 60, batch_size: int = 32,
-            learning_rate: float = 5e-5, seed: int = 0, eval: bool = True) -> dict[str, Any]:  # noqa: A002
+            learning_rate: float = 5e-5, seed: int = 0, eval: bool = True,  # noqa: A002
+            final_out: str | None = None) -> dict[str, Any]:
     """Fine-tune the recipe's model on expert turns and save it to ``out``; returns the summary (also written to
-    ``out/sft_summary.json``)."""
+    ``out/sft_summary.json``). ``final_out`` is the folder the summary names as ``out`` when ``out`` is a temporary
+    one renamed into place afterwards (the warm start's :func:`agentcredit.models.build_atomically`)."""
     import torch
 
     from . import train
@@ -154,7 +156,8 @@ def run_sft(recipe: Recipe, out: str, episodes: int = 256, steps: int = 60, batc
         result = train._evaluate(rollouts, model, tokenizer, recipe)
         print(f"teacher held-out: success {result.success_rate:.1%} [{result.success_ci[0]:.1%}, "
               f"{result.success_ci[1]:.1%}] on {result.n_episodes} seeds, valid {result.valid_rate:.1%}", flush=True)
-    summary = {"recipe": recipe.path, "overrides": list(recipe.overrides), "model": model_path, "out": str(target),
+    summary = {"recipe": recipe.path, "overrides": list(recipe.overrides), "model": model_path,
+               "out": str(final_out or target),
                "episodes": episodes, "turns": len(rows), "steps": steps, "batch_size": batch_size,
                "learning_rate": learning_rate, "loss_first": log[0], "loss_last": log[-1],
                "seconds": round(time.time() - t0, 1), "eval": train._as_dict(result),

@@ -86,6 +86,29 @@ def _ci(result: Any) -> tuple[float, float]:
     return rate, rate
 
 
+def _paired(before: Any, after: Any):
+    """The seed-by-seed before/after difference (:func:`agentcredit.trl.rollouts.paired_difference`), or ``None``
+    when either evaluation is missing or they did not play the same seeds."""
+    from .trl.rollouts import paired_difference
+
+    eps_b, eps_a = getattr(before, "episodes", None), getattr(after, "episodes", None)
+    if not eps_b or not eps_a or [e.seed for e in eps_b] != [e.seed for e in eps_a]:
+        return None
+    return paired_difference([e.success for e in eps_b], [e.success for e in eps_a])
+
+
+def _write_eval_episodes(path: Path, before: Any, after: Any) -> str:
+    """One JSON line per held-out episode (``phase``, ``seed``, ``success``, ``turns``, ``valid``, ``return``), so the
+    paired statistic and any other can be recomputed after the run."""
+    with path.open("w") as f:
+        for phase, result in (("before", before), ("after", after)):
+            for e in getattr(result, "episodes", None) or []:
+                valid = sum(t.valid for t in e.turns)
+                f.write(json.dumps({"phase": phase, "seed": e.seed, "success": bool(e.success), "turns": len(e.turns),
+                                    "valid": valid, "return": round(e.total_reward, 6)}) + "\n")
+    return str(path)
+
+
 def format_eval_table(before: Any, after: Any, header: str = "") -> str:
     """The before/after table of held-out success (95 % interval), valid-action rate, return and turns."""
     lines = [header] if header else []
@@ -127,10 +150,7 @@ def warm_start(recipe: Recipe, out_dir: Path) -> str:
     print(f"agentcredit train: warm start: {ws.steps} supervised steps on the scripted expert -> {target}", flush=True)
     models.build_atomically(target, lambda tmp: sft.run_sft(
         recipe, str(tmp), episodes=ws.episodes, steps=ws.steps, batch_size=ws.batch_size,
-        learning_rate=ws.learning_rate, eval=False), replace=True)
-    summary = json.loads(done.read_text())  # run_sft recorded the folder it wrote; record where it now is
-    summary["out"] = str(target)
-    done.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        learning_rate=ws.learning_rate, eval=False, final_out=str(target)), replace=True)
     return str(target)
 
 
@@ -303,10 +323,19 @@ def run(recipe: Recipe, max_steps: int | None = None, eval: bool = True) -> RunR
         "metrics": str(metrics_cb.path), "learning_curve": png, "precision": recipe.precision,
         "warm_start": start,
     }
+    paired = _paired(before, after)
+    if paired is not None:
+        summary["paired"] = {"n": paired.n, "difference": paired.difference, "ci": list(paired.ci),
+                             "after_only": paired.after_only, "before_only": paired.before_only,
+                             "mcnemar_p": paired.mcnemar_p}
+    if before is not None or after is not None:
+        summary["eval_episodes"] = _write_eval_episodes(out_dir / "eval_episodes.jsonl", before, after)
     summary_path = out_dir / "summary.json"
     summary_path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
     if before is not None or after is not None:
         print(format_eval_table(before, after, header=header), flush=True)
+    if paired is not None:
+        print(paired.format(), flush=True)
     print(f"{int(trainer.state.global_step)} steps in {train_seconds:.0f} s training, {wall:.0f} s total; "
           f"metrics {metrics_cb.path}; summary {summary_path}", flush=True)
     print(png, flush=True)

@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 import env_adapters  # noqa: E402
 from credit_plugins.hashing import stable_hash  # noqa: E402
 from agentcredit.trl.rollouts import (ACTION_PREFIX, EvalResult, TurnRollout, chat_text, compact_prompt,  # noqa: E402
-                              environment_factory, evaluate, wilson_interval)
+                              environment_factory, evaluate, paired_difference, wilson_interval)
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 ABS = dict(size=5, moves="absolute")
@@ -336,6 +336,53 @@ def test_evaluate_structure_and_wilson_interval(tiny):
         [[t.response for t in e.turns] for e in greedy[1].episodes]
     lo, hi = wilson_interval(8, 64)
     assert (round(100 * lo, 1), round(100 * hi, 1)) == (6.5, 22.8)
+
+
+def test_paired_difference_hand_computed():
+    # one seed each: both, before only, after only, neither -> diff 0, phi 0, Wilson(2, 4) = 0.5 +- 0.350 each, so
+    # the interval is 0 +- sqrt(0.350^2 + 0.350^2) = +-0.495; McNemar: 1 vs 1 discordant, p = 2 * 3/4 capped at 1
+    res = paired_difference([1, 1, 0, 0], [1, 0, 1, 0])
+    assert (res.n, res.before_only, res.after_only, res.difference) == (4, 1, 1, 0.0)
+    assert res.ci == pytest.approx((-0.4950, 0.4950), abs=1e-4) and res.mcnemar_p == 1.0
+    # 10 seeds gained, none lost: exact McNemar p = 2 / 2^10
+    gained = paired_difference([0] * 10 + [1] * 10, [1] * 20)
+    assert gained.difference == 0.5 and gained.mcnemar_p == pytest.approx(2 / 2 ** 10)
+    assert 0 < gained.ci[0] < 0.5 < gained.ci[1] <= 1
+    assert "+50.0 points" in gained.format() and "10 seeds gained, 0 lost" in gained.format()
+    # swapping the evaluations mirrors the interval
+    back = paired_difference([1] * 20, [0] * 10 + [1] * 10)
+    assert back.difference == -0.5 and back.ci == pytest.approx((-gained.ci[1], -gained.ci[0]))
+    same = paired_difference([1, 0, 1], [1, 0, 1])
+    assert same.difference == 0 and same.ci[0] < 0 < same.ci[1] and same.mcnemar_p == 1.0
+
+
+def test_paired_difference_refuses_unpaired_input():
+    with pytest.raises(ValueError, match="before has 3 episodes and after 2"):
+        paired_difference([1, 0, 1], [1, 0])
+    with pytest.raises(ValueError, match="no episodes"):
+        paired_difference([], [])
+
+
+def test_paired_difference_covers_the_true_change_and_uses_the_pairing():
+    """Seeded simulation: correlated before/after outcomes (P(both) .4, before only .1, after only .2, neither .3,
+    true change +0.1). Newcombe's paired interval covers it about 95 % of the time; treating the two evaluations as
+    independent (phi = 0) would over-cover (wider), and mis-signing the correlation would too."""
+    import random
+
+    rng = random.Random(0)
+    cells = [(1, 1)] * 4 + [(1, 0)] * 1 + [(0, 1)] * 2 + [(0, 0)] * 3
+    hits, widths_paired, widths_indep = 0, [], []
+    for _ in range(1000):
+        pairs = [rng.choice(cells) for _ in range(200)]
+        res = paired_difference([b for b, _ in pairs], [a for _, a in pairs])
+        hits += res.ci[0] <= 0.1 <= res.ci[1]
+        l1, u1 = wilson_interval(sum(b for b, _ in pairs), 200)
+        l2, u2 = wilson_interval(sum(a for _, a in pairs), 200)
+        p1, p2 = sum(b for b, _ in pairs) / 200, sum(a for _, a in pairs) / 200
+        widths_paired.append(res.ci[1] - res.ci[0])
+        widths_indep.append(((p2 - l2) ** 2 + (u1 - p1) ** 2) ** 0.5 + ((u2 - p2) ** 2 + (p1 - l1) ** 2) ** 0.5)
+    assert 0.93 <= hits / 1000 <= 0.975
+    assert sum(widths_paired) < 0.85 * sum(widths_indep)  # the pairing narrows the interval
 
 
 def test_sampled_evaluation_is_reproducible_and_leaves_the_callers_stream_alone(tiny):

@@ -188,7 +188,7 @@ def test_warm_start_is_built_aside_so_an_interrupted_one_is_never_reused(tmp_pat
     def completes(recipe, out, **kw):
         made.append(kw)
         Path(out, "config.json").write_text("{}")
-        Path(out, "sft_summary.json").write_text(json.dumps({"out": out, "fingerprint": sft.fingerprint(recipe, **{
+        Path(out, "sft_summary.json").write_text(json.dumps({"out": kw["final_out"], "fingerprint": sft.fingerprint(recipe, **{
             k: kw[k] for k in ("episodes", "steps", "batch_size", "learning_rate")})}))
 
     monkeypatch.setattr(sft, "run_sft", completes)
@@ -196,6 +196,7 @@ def test_warm_start_is_built_aside_so_an_interrupted_one_is_never_reused(tmp_pat
     assert json.loads((target / "sft_summary.json").read_text())["out"] == str(target)
     assert train.warm_start(recipe, tmp_path) == str(target) and len(made) == 1  # the second call reuses it
     assert made[0]["steps"] == 3 and made[0]["episodes"] == 4 and made[0]["eval"] is False
+    assert made[0]["final_out"] == str(target)  # the summary names the folder it was renamed to, not the temporary one
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RecipeError, match=r"warm_start runs in one process.*agentcredit sft"):
@@ -427,6 +428,15 @@ def test_cli_train_end_to_end_on_the_tiny_model(tmp_path, capsys):
     assert summary["before"]["n_episodes"] == 4 and summary["after"]["n_episodes"] == 4
     assert 0.0 <= summary["after"]["success_rate"] <= 1.0 and summary["steps"] == 2
     assert summary["credit"] == "gigpo" and summary["recipe"].endswith("minigrid_gigpo.yaml")
+    episodes = [json.loads(line) for line in (out / "eval_episodes.jsonl").read_text().splitlines()]
+    assert [(e["phase"], e["seed"]) for e in episodes] == [(p, s) for p in ("before", "after") for s in range(20000, 20004)]
+    for phase in ("before", "after"):  # the per-seed records add up to the summary's rate
+        wins = sum(e["success"] for e in episodes if e["phase"] == phase)
+        assert wins / 4 == summary[phase]["success_rate"]
+    paired = summary["paired"]
+    assert paired["n"] == 4 and paired["difference"] == summary["after"]["success_rate"] - summary["before"]["success_rate"]
+    assert paired["ci"][0] <= paired["difference"] <= paired["ci"][1] and 0 < paired["mcnemar_p"] <= 1
+    assert "paired by seed" in printed
     png = out / "learning_curve.png"
     assert png.exists() and png.stat().st_size > 1000
     assert printed.strip().splitlines()[-1] == str(png)  # the PNG path is printed last
@@ -451,7 +461,7 @@ def test_warm_start_then_rl_and_a_rerun_reuses_it(tmp_path, capsys):
     printed = capsys.readouterr().out
     warm = out / "warm_start"
     sft = json.loads((warm / "sft_summary.json").read_text())
-    assert sft["steps"] == 3 and sft["batch_size"] == 4 and sft["episodes"] == 4 and sft["learning_rate"] == 1e-3
+    assert sft["out"] == str(warm) and sft["steps"] == 3 and sft["batch_size"] == 4 and sft["episodes"] == 4 and sft["learning_rate"] == 1e-3
     assert sft["fingerprint"]["model"] == "tiny-qwen2" and sft["fingerprint"]["max_turns"] == 4
     assert "warm start: 3 supervised steps" in printed
     summary = json.loads((out / "summary.json").read_text())
@@ -561,7 +571,7 @@ def test_recipe_bf16_auto_resolves_and_an_override_forces_it():
 @pytest.mark.parametrize("override,match", [
     ("agentcredit.rollout=[1]", r"agentcredit.rollout must be a string"),
     ("agentcredit.credit=7", r"agentcredit.credit must be a string"),
-    ("agentcredit.eval.temperature=.nan", r"agentcredit.eval.temperature must be > 0, got nan"),
+    ("agentcredit.eval.temperature=.nan", r"agentcredit.eval.temperature must be a finite number > 0, got nan"),
     ("learning_rate=fast", r"learning_rate must be a float .* got 'fast'"),
     ("learning_rate=.nan", r"learning_rate must be finite"),
     ("agentcredit.credit_params.step_weight='0.5'", r"credit_params: .*step_weight='0.5': must be a number"),

@@ -40,7 +40,8 @@ from credit_plugins.hashing import stable_hash
 from env_adapters.prompting import build_prompt, parse_action
 
 __all__ = ["TurnRollout", "TranscriptContext", "play_episodes", "evaluate", "EvalResult", "Episode", "TurnRecord",
-           "environment_factory", "compact_prompt", "wilson_interval", "ACTION_PREFIX", "EPISODE_PROMPT"]
+           "environment_factory", "compact_prompt", "wilson_interval", "paired_difference",
+           "PairedDifference", "ACTION_PREFIX", "EPISODE_PROMPT"]
 
 #: the forced start of every assistant turn (an env token: part of the prompt ids)
 ACTION_PREFIX = "<action>"
@@ -508,6 +509,58 @@ def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float,
     center = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
     return (max(0.0, center - half), min(1.0, center + half))
+
+
+@dataclass(frozen=True)
+class PairedDifference:
+    """``after - before`` success on the same seeds (:func:`paired_difference`); rates are fractions."""
+
+    n: int
+    before_only: int          # seeds solved before and not after
+    after_only: int           # seeds solved after and not before
+    difference: float         # (after_only - before_only) / n
+    ci: tuple[float, float]   # Newcombe's paired 95 % interval
+    mcnemar_p: float          # exact two-sided McNemar p-value
+
+    def format(self) -> str:
+        lo, hi = self.ci
+        return (f"after - before, paired by seed: {100 * self.difference:+.1f} points [{100 * lo:+.1f}, "
+                f"{100 * hi:+.1f}] (95 %), {self.after_only} seeds gained, {self.before_only} lost, "
+                f"exact McNemar p = {self.mcnemar_p:.2g}")
+
+
+def paired_difference(before: Sequence[bool], after: Sequence[bool], z: float = 1.959964) -> PairedDifference:
+    """Change in success rate between two evaluations of the same seeds, paired seed by seed.
+
+    The interval is Newcombe's (1998) method 10: the Wilson intervals of the two marginal rates combined with the
+    phi correlation of the 2x2 table (``phi = 0`` when a margin is empty). The p-value is the exact two-sided
+    McNemar test: under no change the ``b + c`` discordant seeds split as Binomial(b + c, 1/2). Pairing removes the
+    between-seed variance that two independent Wilson intervals carry, so it is the sharper test of one run's
+    before/after; it needs the same seeds in the same order (``ValueError`` otherwise).
+    """
+    before, after = [bool(x) for x in before], [bool(x) for x in after]
+    if len(before) != len(after):
+        raise ValueError(f"paired_difference: before has {len(before)} episodes and after {len(after)}; pair the "
+                         f"same seeds")
+    n = len(before)
+    if n == 0:
+        raise ValueError("paired_difference: no episodes to pair")
+    a = sum(x and y for x, y in zip(before, after))
+    b = sum(x and not y for x, y in zip(before, after))
+    c = sum(y and not x for x, y in zip(before, after))
+    d = n - a - b - c
+    p1, p2 = (a + b) / n, (a + c) / n
+    l1, u1 = wilson_interval(a + b, n, z)
+    l2, u2 = wilson_interval(a + c, n, z)
+    margins = (a + b) * (c + d) * (a + c) * (b + d)
+    phi = (a * d - b * c) / math.sqrt(margins) if margins else 0.0
+    diff = p2 - p1
+    lower = diff - math.sqrt(max(0.0, (p2 - l2) ** 2 - 2 * phi * (p2 - l2) * (u1 - p1) + (u1 - p1) ** 2))
+    upper = diff + math.sqrt(max(0.0, (u2 - p2) ** 2 - 2 * phi * (u2 - p2) * (p1 - l1) + (p1 - l1) ** 2))
+    k, m = min(b, c), b + c
+    p_value = min(1.0, 2 * sum(math.comb(m, i) for i in range(k + 1)) / 2 ** m) if m else 1.0
+    return PairedDifference(n=n, before_only=b, after_only=c, difference=diff,
+                            ci=(max(-1.0, lower), min(1.0, upper)), mcnemar_p=p_value)
 
 
 @dataclass

@@ -54,12 +54,6 @@ class TurnGuide:
         return self._rng.random() < self.p
 
 
-def _block(config) -> dict[str, Any]:
-    from .distill import _block as distill_block  # the same parsing as the loss scheduler's
-
-    return distill_block(config)
-
-
 def _horizon(config) -> int | None:
     """The decay horizon the loop and the trainer both use when ``decay_steps`` is unset: the configured
     ``trainer.total_training_steps`` (the agent-loop workers cannot see the trainer's computed one)."""
@@ -69,10 +63,11 @@ def _horizon(config) -> int | None:
 
 def _guided_scheduler(config):
     """The guided scheduler of ``config``'s ``algorithm.agentcredit_distill`` block, or None for other schedules."""
+    from .distill import _block, scheduler_for  # the loss scheduler's parsing; distill imports this module lazily
+
     block = _block(config)
     if str(block.get("schedule", None) or "") != "guided":
         return None
-    from .distill import scheduler_for
 
     return scheduler_for(block)
 
