@@ -186,13 +186,37 @@ class TextWorldExpressAdapter(ReplayedTextGame):
 
     # ---- TextWorld-Express ----------------------------------------------------------------------------------
     def walkthrough(self) -> list[str]:
-        """A winning command sequence for the current game from its start (TextWorld-Express's gold path)."""
+        """A winning command sequence for the current game from its start: TextWorld-Express's gold path with its
+        loops cut out.
+
+        The gold path can wander: for one game it has 2 to 12 commands from one call to the next (``move north``,
+        ``move south``, ... back where it was). It is replayed here and every stretch that returns to an earlier
+        ``state_key`` is dropped, so the same game gives the same short plan; if the cut plan does not win (a state
+        the key does not show), the gold path is returned as it came. The current state is left as it was.
+        """
         if self._game_seed is None:
             return []
+        snap = self.snapshot()
         self._server.generateNewGameJSON(self._game_seed, self.split, True)
         gold = [str(a) for a in self._server.getGoldActionSequence()]
-        self.restore(self.snapshot())  # the gold-path generation restarted the game
-        return gold[1:] if gold and gold[0] == "look around" else gold
+        gold = gold[1:] if gold and gold[0] == "look around" else gold
+        self._start(self._game_seed)
+        plan, keys = [], [self.state_key()]
+        for cmd in gold:
+            self._play(cmd)
+            key = self.state_key()
+            if key in keys:  # back in an earlier state: the commands since then were a loop
+                k = keys.index(key)
+                del plan[k:], keys[k + 1:]
+            else:
+                plan.append(cmd)
+                keys.append(key)
+        self._start(self._game_seed)
+        for cmd in plan:
+            self._play(cmd)
+        wins = self._outcome()[0]
+        self.restore(snap)  # the gold-path generation and the replays restarted the game
+        return plan if wins else gold
 
     def _start(self, game_seed: int) -> None:
         self._set(self._server.generateNewGameJSON(int(game_seed), self.split, False))
