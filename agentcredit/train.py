@@ -325,9 +325,7 @@ def run(recipe: Recipe, max_steps: int | None = None, eval: bool = True) -> RunR
     }
     paired = _paired(before, after)
     if paired is not None:
-        summary["paired"] = {"n": paired.n, "difference": paired.difference, "ci": list(paired.ci),
-                             "after_only": paired.after_only, "before_only": paired.before_only,
-                             "mcnemar_p": paired.mcnemar_p}
+        summary["paired"] = _as_dict(paired)
     if before is not None or after is not None:
         summary["eval_episodes"] = _write_eval_episodes(out_dir / "eval_episodes.jsonl", before, after)
     summary_path = out_dir / "summary.json"

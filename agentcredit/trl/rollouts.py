@@ -536,7 +536,8 @@ def paired_difference(before: Sequence[bool], after: Sequence[bool], z: float = 
     phi correlation of the 2x2 table (``phi = 0`` when a margin is empty). The p-value is the exact two-sided
     McNemar test: under no change the ``b + c`` discordant seeds split as Binomial(b + c, 1/2). Pairing removes the
     between-seed variance that two independent Wilson intervals carry, so it is the sharper test of one run's
-    before/after; it needs the same seeds in the same order (``ValueError`` otherwise).
+    before/after. The caller pairs the same seeds in the same order; lists of different lengths are a
+    ``ValueError``.
     """
     before, after = [bool(x) for x in before], [bool(x) for x in after]
     if len(before) != len(after):
