@@ -75,7 +75,21 @@ def expert_turns(recipe: Recipe, tokenizer, seeds: list[int], rng: random.Random
             obs = res.observation
             if res.done:
                 break
+    _check_answer_budget(rows, tokenizer, ac.max_new_tokens)
     return rows
+
+
+def _check_answer_budget(rows, tokenizer, max_new_tokens: int) -> None:
+    """Refuse expert answers longer than the rollout's token budget. Generation stops after ``max_new_tokens``, so
+    such an answer is cut before its ``</action>`` and parsed as invalid, whatever the policy learned: the warm start
+    would teach a move the rollout can never make (``down</action>`` is 5 tokens of the tiny models' tokenizer)."""
+    if not rows:
+        return
+    longest = max((target for _, target in rows), key=len)
+    if len(longest) > max_new_tokens:
+        raise RecipeError(f"the expert's answer {tokenizer.decode(longest)!r} is {len(longest)} tokens, but "
+                          f"agentcredit.max_new_tokens={max_new_tokens} cuts every reply before that, so the rollout "
+                          f"would parse it as invalid: set agentcredit.max_new_tokens >= {len(longest)}")
 
 
 def _batches(rows, batch_size: int, steps: int, rng: random.Random, pad: int):

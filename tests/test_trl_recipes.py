@@ -522,6 +522,25 @@ def test_expert_turns_follow_shortest_paths_in_the_rollout_format(tmp_path):
         assert res.success and env.expert_actions() == []
 
 
+def test_expert_answers_that_the_token_budget_would_cut_are_refused():
+    """``down</action>`` is 5 tokens of the tiny models' tokenizer: with ``max_new_tokens=4`` every generated "down"
+    stops at ``</action`` and parses as invalid, so a warm start on it would teach a move the rollout cannot make."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from agentcredit.models import resolve_model
+    from agentcredit.sft import expert_turns
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("tiny-qwen2"))
+    assert len(tok("down</action>", add_special_tokens=False)["input_ids"]) == 5
+    seeds = list(range(20))
+    with pytest.raises(RecipeError, match=r"'down</action>' is 5 tokens.*max_new_tokens=4.*max_new_tokens >= 5"):
+        expert_turns(load_recipe(TINY_DEMO, ["agentcredit.max_new_tokens=4"]), tok, seeds, random.Random(0))
+    rows = expert_turns(load_recipe(TINY_DEMO, ["agentcredit.max_new_tokens=5"]), tok, seeds, random.Random(0))
+    assert max(len(c) for _, c in rows) == 5 and any(tok.decode(c) == "down</action>" for _, c in rows)
+
+
 @pytest.mark.slow
 def test_sft_then_a_distillation_recipe_end_to_end_on_the_tiny_model(tmp_path, capsys):
     teacher = tmp_path / "teacher"
