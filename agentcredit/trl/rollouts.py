@@ -41,7 +41,7 @@ from env_adapters.prompting import build_prompt, parse_action
 
 __all__ = ["TurnRollout", "TranscriptContext", "play_episodes", "evaluate", "EvalResult", "Episode", "TurnRecord",
            "environment_factory", "compact_prompt", "wilson_interval", "paired_difference",
-           "PairedDifference", "ACTION_PREFIX", "EPISODE_PROMPT"]
+           "PairedDifference", "ACTION_PREFIX", "EPISODE_PROMPT", "actions_over_budget"]
 
 #: the forced start of every assistant turn (an env token: part of the prompt ids)
 ACTION_PREFIX = "<action>"
@@ -57,6 +57,18 @@ def legal_actions(env) -> list[str] | None:
     """``env.legal_actions()`` as a list, or None for an env without that method."""
     fn = getattr(env, "legal_actions", None)
     return list(fn()) if callable(fn) else None
+
+
+def actions_over_budget(tokenizer, actions: Iterable[str], max_new_tokens: int) -> list[tuple[str, int]]:
+    """The actions whose reply ``action</action>`` (what the model writes after the forced ``<action>``) takes more
+    than ``max_new_tokens`` tokens of ``tokenizer``, with their token counts, longest first. Generation stops at the
+    budget, so such a reply is cut before its closing tag and parsed as invalid, whatever the policy learned."""
+    over = []
+    for action in dict.fromkeys(actions):
+        n = len(tokenizer(f"{action}{ACTION_STOP}", add_special_tokens=False)["input_ids"])
+        if n > max_new_tokens:
+            over.append((action, n))
+    return sorted(over, key=lambda pair: -pair[1])
 
 
 def compact_prompt(task: str, observation: str, legal: Sequence[str] | None) -> str:
