@@ -112,16 +112,16 @@ def test_tiny_demo_recipe_settings():
     t, ac = r.trl_args, r.agentcredit
     assert r.model_args["model_name_or_path"] == "tiny-qwen2-4x256"
     assert t["bf16"] is False and t["use_cpu"] is True and t["temperature"] == 1.0
-    assert (t["max_steps"], t["learning_rate"], t["loss_type"], t["beta"]) == (60, 1e-4, "dapo", 0.0)
-    assert (ac.env, ac.credit, ac.max_turns, ac.groups_per_step, ac.episodes_per_group) == \
-        ("minigrid", "gigpo", 10, 2, 8)
+    assert (t["max_steps"], t["learning_rate"], t["loss_type"], t["beta"]) == (200, 1e-4, "dapo", 0.0)
+    assert (ac.env, ac.credit, ac.max_turns, ac.groups_per_step, ac.episodes_per_group, ac.max_new_tokens) == \
+        ("minigrid", "gigpo", 10, 2, 8, 6)
     assert ac.env_options == {"size": 6, "moves": "absolute", "view": "coords", "shaping": 1.0, "invalid_penalty": -1.0}
     ws = ac.warm_start
-    assert (ws.steps, ws.batch_size, ws.learning_rate, ws.episodes) == (400, 32, 1e-3, 1024)
+    assert (ws.steps, ws.batch_size, ws.learning_rate, ws.episodes) == (100, 32, 1e-3, 1024)
     # held-out seeds never used to choose the settings (those were compared on 20000..20511)
     assert ac.eval.seed_list == list(range(30000, 30512)) and ac.eval.temperature == 1.0
     assert ac.eval.sampling_seed == 0 and not ac.eval.greedy
-    assert not set(train_seeds(r, 60, 0)) & set(ac.eval.seed_list)
+    assert not set(train_seeds(r, 200, 0)) & set(ac.eval.seed_list)
 
 
 def test_the_demo_model_is_a_larger_tiny_qwen2_with_the_same_tokenizer(tmp_path, monkeypatch):
