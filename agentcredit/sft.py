@@ -48,14 +48,14 @@ def expert_turns(recipe: Recipe, tokenizer, seeds: list[int], rng: random.Random
     import env_adapters
     from env_adapters.prompting import build_prompt
 
-    from .trl.rollouts import ACTION_STOP, chat_text, compact_prompt, legal_actions
+    from .trl.rollouts import ACTION_STOP, actions_over_budget, chat_text, compact_prompt, legal_actions
 
     ac = recipe.agentcredit
     env = env_adapters.make(ac.env, **dict(ac.env_options))
     if not callable(getattr(env, "expert_actions", None)):
         raise RecipeError(f"agentcredit.env={ac.env!r} has no scripted expert (expert_actions()); agentcredit sft "
                           f"needs one (MiniGrid with moves=absolute has it)")
-    rows = []
+    rows, actions = [], []
     for seed in seeds:
         obs = env.reset(seed)
         history: list[tuple[str, str | None]] = []
@@ -70,26 +70,21 @@ def expert_turns(recipe: Recipe, tokenizer, seeds: list[int], rng: random.Random
             prompt = tokenizer(chat_text(tokenizer, user, ac.system), add_special_tokens=False)["input_ids"]
             target = tokenizer(f"{action}{ACTION_STOP}", add_special_tokens=False)["input_ids"]
             rows.append((prompt, target))
+            actions.append(action)
             history.append((obs, action))
             res = env.step(action)
             obs = res.observation
             if res.done:
                 break
-    _check_answer_budget(rows, tokenizer, ac.max_new_tokens)
+    # generation stops after max_new_tokens, so a longer answer is cut before its </action> and parsed as invalid:
+    # the warm start would teach a move the rollout can never make
+    over = actions_over_budget(tokenizer, actions, ac.max_new_tokens)
+    if over:
+        action, n = over[0]
+        raise RecipeError(f"the expert's answer {action + ACTION_STOP!r} is {n} tokens, but agentcredit.max_new_tokens="
+                          f"{ac.max_new_tokens} cuts every reply before that, so the rollout would parse it as "
+                          f"invalid: set agentcredit.max_new_tokens >= {n}")
     return rows
-
-
-def _check_answer_budget(rows, tokenizer, max_new_tokens: int) -> None:
-    """Refuse expert answers longer than the rollout's token budget. Generation stops after ``max_new_tokens``, so
-    such an answer is cut before its ``</action>`` and parsed as invalid, whatever the policy learned: the warm start
-    would teach a move the rollout can never make (``down</action>`` is 5 tokens of the tiny models' tokenizer)."""
-    if not rows:
-        return
-    longest = max((target for _, target in rows), key=len)
-    if len(longest) > max_new_tokens:
-        raise RecipeError(f"the expert's answer {tokenizer.decode(longest)!r} is {len(longest)} tokens, but "
-                          f"agentcredit.max_new_tokens={max_new_tokens} cuts every reply before that, so the rollout "
-                          f"would parse it as invalid: set agentcredit.max_new_tokens >= {len(longest)}")
 
 
 def _batches(rows, batch_size: int, steps: int, rng: random.Random, pad: int):

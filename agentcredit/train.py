@@ -193,29 +193,6 @@ def _adapt_model(model, recipe: Recipe):
     return model, trainable, total
 
 
-def warn_answer_budget(recipe: Recipe, tokenizer, seed: int) -> list[tuple[str, int]]:
-    """Print a warning when a legal action of the env's first training state cannot fit ``max_new_tokens`` (the
-    model could never take it: its reply is cut before ``</action>``); returns those actions with their token counts.
-    Envs without ``legal_actions()`` are not checked."""
-    import env_adapters
-
-    from .trl.rollouts import actions_over_budget, legal_actions
-
-    ac = recipe.agentcredit
-    env = env_adapters.make(ac.env, **dict(ac.env_options))
-    env.reset(seed)
-    over = actions_over_budget(tokenizer, legal_actions(env) or [], ac.max_new_tokens)
-    if over:
-        action, n = over[0]
-        print(f"agentcredit train: WARNING: {len(over)} legal action(s) cannot fit agentcredit.max_new_tokens="
-              f"{ac.max_new_tokens}: {action!r} + '</action>' is {n} tokens, so the model can never answer it validly; "
-              f"set agentcredit.max_new_tokens >= {n}", flush=True)
-    close = getattr(env, "close", None)
-    if callable(close):
-        close()
-    return over
-
-
 def _evaluate(bridge, model, tokenizer, recipe: Recipe):
     import torch
 
@@ -283,7 +260,6 @@ def run(recipe: Recipe, max_steps: int | None = None, eval: bool = True) -> RunR
 
     # environment bridge
     if ac.bridge == "rollout_func":
-        warn_answer_budget(recipe, tokenizer, seeds[0])
         from .recipe import rollout_class
 
         from credit_plugins.estimators.mix import reads_extra

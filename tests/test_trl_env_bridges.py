@@ -171,6 +171,21 @@ def _trainer(model, tok, G, temperature=1.0):
                                  accelerator=types.SimpleNamespace(unwrap_model=lambda m: m))
 
 
+def test_turn_rollout_checks_the_token_budget_once_on_its_first_call(tiny, capsys):
+    """The budget is min(max_new_tokens, max_completion_length); "down</action>" is 5 tokens of this tokenizer."""
+    model, tok, _ = tiny
+    prompts = list(TurnRollout.dataset([3] * 6)["prompt"])
+    trainer = _trainer(model, tok, 6)
+    trainer.args.max_completion_length = 4
+    rollout = TurnRollout("minigrid", ABS, max_turns=6, max_new_tokens=6)
+    rollout(prompts, trainer)
+    rollout(prompts, trainer)
+    assert capsys.readouterr().out.count("WARNING") == 1
+    trainer.args.max_completion_length = 8
+    TurnRollout("minigrid", ABS, max_turns=6, max_new_tokens=6)(prompts, trainer)
+    assert "WARNING" not in capsys.readouterr().out
+
+
 def test_turn_rollout_row_layout_and_state_replay(tiny):
     model, tok, _ = tiny
     G, turns = 12, 6

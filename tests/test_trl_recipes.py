@@ -541,18 +541,21 @@ def test_expert_answers_that_the_token_budget_would_cut_are_refused():
     assert max(len(c) for _, c in rows) == 5 and any(tok.decode(c) == "down</action>" for _, c in rows)
 
 
-def test_train_warns_when_a_legal_action_cannot_fit_the_token_budget(capsys):
+def test_rollout_warns_when_a_legal_action_cannot_fit_the_token_budget(capsys):
     from transformers import AutoTokenizer
 
     from agentcredit.models import resolve_model
-    from agentcredit.train import warn_answer_budget
+    from agentcredit.trl.rollouts import TurnRollout
 
     tok = AutoTokenizer.from_pretrained(resolve_model("tiny-qwen2"))
-    assert warn_answer_budget(load_recipe(TINY_DEMO, ["agentcredit.max_new_tokens=4"]), tok, 0) == [("down", 5)]
+    ac = load_recipe(TINY_DEMO).agentcredit
+    cut = TurnRollout(ac.env, dict(ac.env_options), max_turns=2, max_new_tokens=4)
+    assert cut.check_answer_budget(tok, 0) == [("down", 5)]
     printed = capsys.readouterr().out
     assert "WARNING" in printed and "'down'" in printed and "agentcredit.max_new_tokens >= 5" in printed
-    assert warn_answer_budget(load_recipe(TINY_DEMO), tok, 0) == []  # the recipe's 6 tokens fit every move
+    assert cut.check_answer_budget(tok, 0, max_new_tokens=6) == []  # the recipe's 6 tokens fit every move
     assert "WARNING" not in capsys.readouterr().out
+
 
 
 @pytest.mark.slow

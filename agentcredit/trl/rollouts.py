@@ -357,6 +357,7 @@ class TurnRollout:
         self._make = lambda: env_adapters.make(self.env_name, **self.env_options)
         self._pool = [self._make()]  # built now: a bad env name or option fails at construction
         self._metrics: dict[str, float] = {}
+        self._budget_checked = False
         self.last_episodes: list[Episode] = []
         self.__name__ = "TurnRollout"
 
@@ -408,6 +409,9 @@ class TurnRollout:
         max_new = self.max_new_tokens
         if getattr(args, "max_completion_length", None):
             max_new = min(max_new, int(args.max_completion_length))
+        if not self._budget_checked:
+            self._budget_checked = True
+            self.check_answer_budget(tok, seeds[0], max_new)
         episodes = self._play(
             model, tok, specs, max_turns=self.max_turns, max_new_tokens=max_new,
             temperature=float(getattr(args, "temperature", 1.0) or 1.0), top_p=float(getattr(args, "top_p", 1.0)),
@@ -449,6 +453,21 @@ class TurnRollout:
         self.last_episodes = episodes
         self._metrics = {**_stats(episodes), "rollout_seconds": time.perf_counter() - t0}
         return out
+
+    def check_answer_budget(self, tokenizer, seed: int | None, max_new_tokens: int | None = None) -> list[tuple[str, int]]:
+        """Print a warning when a legal action of ``seed``'s first state cannot fit the token budget (the model could
+        never take it: its reply is cut before ``</action>``); returns those actions with their token counts
+        (:func:`actions_over_budget`). Called once, on the first rollout; envs without ``legal_actions()`` pass."""
+        budget = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        env = self._pool[0]
+        env.reset(seed)
+        over = actions_over_budget(tokenizer, legal_actions(env) or [], budget)
+        if over:
+            action, n = over[0]
+            print(f"TurnRollout: WARNING: {len(over)} legal action(s) cannot fit max_new_tokens={budget}: {action!r} + "
+                  f"'{ACTION_STOP}' is {n} tokens, so the model can never answer it validly; set "
+                  f"agentcredit.max_new_tokens >= {n} (and max_completion_length, if set)", flush=True)
+        return over
 
     def _play(self, model, tokenizer, specs, **kwargs) -> list[Episode]:
         """The episode engine: :func:`play_episodes` in this rollout's :attr:`context`."""
