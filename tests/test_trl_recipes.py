@@ -117,7 +117,7 @@ def test_tiny_demo_recipe_settings():
         ("minigrid", "gigpo", 10, 2, 8, 6)
     assert ac.env_options == {"size": 6, "moves": "absolute", "view": "coords", "shaping": 1.0, "invalid_penalty": -1.0}
     ws = ac.warm_start
-    assert (ws.steps, ws.batch_size, ws.learning_rate, ws.episodes) == (100, 32, 1e-3, 1024)
+    assert (ws.steps, ws.batch_size, ws.learning_rate, ws.episodes) == (200, 32, 1e-3, 1024)
     # held-out seeds never used to choose the settings (those were compared on 20000..20511)
     assert ac.eval.seed_list == list(range(30000, 30512)) and ac.eval.temperature == 1.0
     assert ac.eval.sampling_seed == 0 and not ac.eval.greedy
