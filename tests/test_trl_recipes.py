@@ -557,7 +557,6 @@ def test_rollout_warns_when_a_legal_action_cannot_fit_the_token_budget(capsys):
     assert "WARNING" not in capsys.readouterr().out
 
 
-
 @pytest.mark.slow
 def test_sft_then_a_distillation_recipe_end_to_end_on_the_tiny_model(tmp_path, capsys):
     teacher = tmp_path / "teacher"

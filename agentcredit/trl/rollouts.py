@@ -454,7 +454,8 @@ class TurnRollout:
         self._metrics = {**_stats(episodes), "rollout_seconds": time.perf_counter() - t0}
         return out
 
-    def check_answer_budget(self, tokenizer, seed: int | None, max_new_tokens: int | None = None) -> list[tuple[str, int]]:
+    def check_answer_budget(self, tokenizer, seed: int | None,
+                            max_new_tokens: int | None = None) -> list[tuple[str, int]]:
         """Print a warning when a legal action of ``seed``'s first state cannot fit the token budget (the model could
         never take it: its reply is cut before ``</action>``); returns those actions with their token counts
         (:func:`actions_over_budget`). Called once, on the first rollout; envs without ``legal_actions()`` pass."""
