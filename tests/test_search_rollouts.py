@@ -124,6 +124,17 @@ def test_asct_trains_in_a_real_grpo_trainer(tiny, tmp_path):  # noqa: F811
 
 
 # ---- trees -----------------------------------------------------------------------------------------------------
+def test_tree_rollout_checks_the_token_budget_once_on_its_first_call(tiny, capsys):  # noqa: F811
+    """The tree rollout has its own ``__call__``; it checks min(max_new_tokens, max_completion_length) too."""
+    model, tok, _ = tiny
+    trainer = _trainer(model, tok, 6)
+    trainer.args.max_completion_length = 4  # "down</action>" is 5 tokens of this tokenizer
+    rollout = TreeRollout("minigrid", ABS, max_turns=3, max_new_tokens=6, initial=2, iterations=0)
+    rollout(_prompts([7], 6), trainer)
+    rollout(_prompts([7], 6), trainer)
+    assert capsys.readouterr().out.count("WARNING") == 1
+
+
 def test_tree_rollout_grows_the_configured_tree_and_its_rows_replay(tiny):  # noqa: F811
     model, tok, _ = tiny
     turns, G = 3, 12

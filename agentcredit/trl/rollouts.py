@@ -406,12 +406,7 @@ class TurnRollout:
         specs = [(envs[b * E + e], seeds[b]) for b in range(blocks) for e in range(E)]
         tok = trainer.processing_class
         args = trainer.args
-        max_new = self.max_new_tokens
-        if getattr(args, "max_completion_length", None):
-            max_new = min(max_new, int(args.max_completion_length))
-        if not self._budget_checked:
-            self._budget_checked = True
-            self.check_answer_budget(tok, seeds[0], max_new)
+        max_new = self._answer_budget(tok, args, seeds[0])
         episodes = self._play(
             model, tok, specs, max_turns=self.max_turns, max_new_tokens=max_new,
             temperature=float(getattr(args, "temperature", 1.0) or 1.0), top_p=float(getattr(args, "top_p", 1.0)),
@@ -453,6 +448,17 @@ class TurnRollout:
         self.last_episodes = episodes
         self._metrics = {**_stats(episodes), "rollout_seconds": time.perf_counter() - t0}
         return out
+
+    def _answer_budget(self, tokenizer, args, seed: int | None) -> int:
+        """Tokens generated per turn: ``max_new_tokens`` capped by ``args.max_completion_length``; on the first call
+        also :meth:`check_answer_budget` against it (once per rollout, for every subclass's ``__call__``)."""
+        budget = self.max_new_tokens
+        if getattr(args, "max_completion_length", None):
+            budget = min(budget, int(args.max_completion_length))
+        if not self._budget_checked:
+            self._budget_checked = True
+            self.check_answer_budget(tokenizer, seed, budget)
+        return budget
 
     def check_answer_budget(self, tokenizer, seed: int | None,
                             max_new_tokens: int | None = None) -> list[tuple[str, int]]:

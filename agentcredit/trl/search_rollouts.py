@@ -172,7 +172,7 @@ class TreeRollout(TurnRollout):
             seeds.append(block.pop())
         tok = trainer.processing_class
         args = trainer.args
-        max_new = min(self.max_new_tokens, int(getattr(args, "max_completion_length", 0) or self.max_new_tokens))
+        max_new = self._answer_budget(tok, args, seeds[0])
         self._gen = _Generator(model, tok, max_new_tokens=max_new,
                                temperature=float(getattr(args, "temperature", 1.0) or 1.0),
                                top_p=float(getattr(args, "top_p", 1.0)), top_k=int(getattr(args, "top_k", 0) or 0),
