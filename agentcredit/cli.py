@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value overrides of the recipe")
     p.add_argument("--out", required=True, help="folder for the teacher checkpoint")
     p.add_argument("--episodes", type=int, default=256, help="expert episodes (one per training seed)")
-    p.add_argument("--steps", type=int, default=60, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=60, help="optimizer steps (0: save and evaluate the model as is)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--learning-rate", type=float, default=5e-5)
     p.add_argument("--no-eval", action="store_true", help="skip the teacher's held-out evaluation")

@@ -113,12 +113,15 @@ def run_sft(recipe: Recipe, out: str, episodes: int = 256, steps: int = 60, batc
             learning_rate: float = 5e-5, seed: int = 0, eval: bool = True,  # noqa: A002
             final_out: str | None = None) -> dict[str, Any]:
     """Fine-tune the recipe's model on expert turns and save it to ``out``; returns the summary (also written to
-    ``out/sft_summary.json``). ``final_out`` is the folder the summary names as ``out`` when ``out`` is a temporary
+    ``out/sft_summary.json``). ``steps=0`` saves and evaluates the model as it is (a start with no warm start, e.g.
+    a pretrained LM in ``benchmarks/credit_learning.py``); its losses are then ``None``. ``final_out`` is the folder the summary names as ``out`` when ``out`` is a temporary
     one renamed into place afterwards (the warm start's :func:`agentcredit.models.build_atomically`)."""
     import torch
 
     from . import train
 
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise RecipeError(f"sft steps={steps!r}: give a whole number >= 0 (0 saves and evaluates the model as is)")
     t0 = time.time()
     ac = recipe.agentcredit
     lo, hi = ac.train_seeds
@@ -168,7 +171,8 @@ def run_sft(recipe: Recipe, out: str, episodes: int = 256, steps: int = 60, batc
     summary = {"recipe": recipe.path, "overrides": list(recipe.overrides), "model": model_path,
                "out": str(final_out or target),
                "episodes": episodes, "turns": len(rows), "steps": steps, "batch_size": batch_size,
-               "learning_rate": learning_rate, "loss_first": log[0], "loss_last": log[-1],
+               "learning_rate": learning_rate, "loss_first": log[0] if log else None,
+               "loss_last": log[-1] if log else None,
                "seconds": round(time.time() - t0, 1), "eval": train._as_dict(result),
                "fingerprint": fingerprint(recipe, episodes=episodes, steps=steps, batch_size=batch_size,
                                           learning_rate=learning_rate)}

@@ -3,12 +3,15 @@
     python benchmarks/credit_learning.py            # the measured configuration (see the defaults below)
     python benchmarks/credit_learning.py --quick    # a seconds-long smoke run (tests/test_credit_learning.py)
 
-Method (issue 19, item 4a):
+Method (issue 19, item 4a; 4b with SmolLM2):
 
 1. **Warm start, once.** ``agentcredit sft`` (:func:`agentcredit.sft.run_sft`) fine-tunes ``tiny-qwen2`` (2 layers,
    hidden 64, 107k parameters, built locally) on MiniGrid's scripted expert (``expert_actions()``: a move that starts
    a shortest path) in the recipe's own turn format, stopped early (``--sft-steps``) so that its held-out success
-   sits in the 10-30 % band. The checkpoint is saved once and every run starts from it.
+   sits in the 10-30 % band. The checkpoint is saved once and every run starts from it. ``--sft-steps 0`` saves
+   and evaluates the recipe's model as it is: item (b), a pretrained LM with no warm start
+   (``--recipe recipes/trl/minigrid_credit_learning_smollm2.yaml``, SmolLM2-135M-Instruct; its header has the
+   command).
 2. **RL, same budget for every method.** For each estimator and seed: ``agentcredit train
    recipes/trl/minigrid_credit_learning.yaml --max-steps N model_name_or_path=<warm start> seed=<s>
    agentcredit.credit=<name>`` (TRL's ``GRPOTrainer`` + agentcredit's credit mixin), in a subprocess. The task is a 6x6
@@ -152,7 +155,7 @@ def aggregate(runs: list[dict], methods: list[str], baseline: str = "grpo") -> l
     return table
 
 
-def plot(runs: list[dict], methods: list[str], before: float | None, path: Path) -> str | None:
+def plot(runs: list[dict], methods: list[str], before: float | None, path: Path, model: str = "tiny-qwen2") -> str | None:
     try:
         import matplotlib
 
@@ -177,7 +180,7 @@ def plot(runs: list[dict], methods: list[str], before: float | None, path: Path)
         ax.axhline(before, color="k", ls=":", lw=1, label="warm start (held-out)")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training-rollout success (mean ± s.e. over seeds)")
-    ax.set_title("tiny-qwen2 on MiniGrid 6x6, no shaping: credit estimators via TRL")
+    ax.set_title(f"{model} on MiniGrid 6x6, no shaping: credit estimators via TRL")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -225,13 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     with ThreadPoolExecutor(max_workers=max(1, cfg.jobs)) as pool:
         runs = list(pool.map(lambda ms: one_run(cfg, common, work, str(work / "warm_start"), *ms), grid))
     table = aggregate(runs, methods)
-    png = plot(runs, methods, ev.get("success_rate"), out.with_suffix(".png"))
+    model = Path(str(sft.get("model"))).name
+    png = plot(runs, methods, ev.get("success_rate"), out.with_suffix(".png"), model)
     result = {"config": {k: getattr(cfg, k) for k in ("recipe", "methods", "seeds", "steps", "sft_steps", "sft_lr",
                                                        "sft_batch", "sft_episodes", "eval_seeds", "jobs", "threads",
                                                        "quick")},
-              "overrides": common, "warm_start": {k: sft.get(k) for k in ("steps", "learning_rate", "batch_size",
-                                                                           "episodes", "turns", "loss_last", "seconds",
-                                                                           "eval")},
+              "overrides": common, "warm_start": {k: sft.get(k) for k in ("model", "steps", "learning_rate",
+                                                                           "batch_size", "episodes", "turns",
+                                                                           "loss_last", "seconds", "eval")},
               "table": table, "runs": runs, "png": png, "total_seconds": round(time.time() - t0, 1)}
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"\n{'method':>9} {'seeds':>5} {'mean':>7} {'95% t-interval':>18} {'pooled':>7} {'pooled Wilson':>17} "

@@ -208,6 +208,26 @@ def test_warm_start_is_built_aside_so_an_interrupted_one_is_never_reused(tmp_pat
         sft.run_sft(few, str(tmp_path / "x"), episodes=1024, steps=1)
 
 
+def test_sft_with_zero_steps_saves_and_evaluates_the_model_as_it_is(tmp_path):
+    """``--steps 0`` is the start of a run with no warm start (a pretrained LM in benchmarks/credit_learning.py):
+    the saved weights are the recipe's model's own, evaluated, with no loss to report; a negative count is refused."""
+    import torch
+
+    from agentcredit import sft, train
+
+    recipe = load_recipe(TINY_DEMO, ["agentcredit.eval.seeds=[20000,20004]", "agentcredit.max_turns=4",
+                                     "per_device_train_batch_size=16"])
+    summary = sft.run_sft(recipe, str(tmp_path / "start"), episodes=4, steps=0)
+    assert summary["steps"] == 0 and summary["loss_first"] is None and summary["loss_last"] is None
+    assert summary["eval"]["n_episodes"] == 4
+    _, _, base = train._load_model(recipe)
+    _, _, saved = train._load_model(load_recipe(TINY_DEMO, [f"model_name_or_path={tmp_path / 'start'}"]))
+    want = base.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in saved.state_dict().items())
+    with pytest.raises(RecipeError, match=r"sft steps=-1: give a whole number >= 0"):
+        sft.run_sft(recipe, str(tmp_path / "x"), episodes=4, steps=-1)
+
+
 def test_the_warm_start_fingerprint_follows_what_changes_the_checkpoint():
     from agentcredit import sft
 

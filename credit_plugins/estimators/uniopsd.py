@@ -228,6 +228,10 @@ class TokenBlocks:
         self._delta = torch.empty(rows, self.shape[1], dtype=torch.float64)
         self._maskf = torch.empty(rows, self.shape[1], dtype=torch.float64)
         self._mask = torch.empty(rows, self.shape[1], dtype=torch.bool)
+        # logp_old as float64 before the subtraction: sub_ with a float32 operand would promote it into a fresh
+        # [rows, L] allocation on every block (page faults: ~10x the subtraction itself)
+        self._old64 = torch.empty(rows, self.shape[1], dtype=torch.float64) if logp_old.dtype != torch.float64 else None
+        self.scratch = torch.empty(rows, self.shape[1], dtype=torch.float64)  # the callers' per-block temporary
 
     def block(self, i: int, j: int, want_bool: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(delta, mask as float64 0/1, mask as bool or None)`` of rows ``i:j`` (views of buffers reused by the next
@@ -239,7 +243,11 @@ class TokenBlocks:
         mf.copy_(given)
         d = self._delta[:n]
         d.copy_(self.logp_teacher[i:j])
-        d.sub_(self.logp_old[i:j])                  # in float64, as logp_teacher.double() - logp_old.double()
+        old = self.logp_old[i:j]
+        if self._old64 is not None:
+            old = self._old64[:n]
+            old.copy_(self.logp_old[i:j])
+        d.sub_(old)                                 # in float64, as logp_teacher.double() - logp_old.double()
         d.mul_(mf)
         if not bool(torch.isfinite(d.sum())):        # NaN/inf in the block (padding may hold anything)
             d.copy_(self.logp_teacher[i:j])
@@ -276,7 +284,7 @@ def token_rows(steps: StepTable, keep: bool = True, blocks: TokenBlocks | None =
                 mask[i:j] = m
         torch.sum(d, dim=1, out=total[i:j])
         n_tok = count[i:j].to(f64).clamp(min=1.0)
-        dev = d - (total[i:j] / n_tok)[:, None]
+        dev = torch.sub(d, (total[i:j] / n_tok)[:, None], out=blocks.scratch[: j - i])
         dev.mul_(mf)
         var[i:j] = dev.pow_(2).sum(dim=1) / n_tok
         torch.abs(d, out=dev)
@@ -501,7 +509,7 @@ def modulated_tokens(blocks: TokenBlocks, a_episode: torch.Tensor, fused: torch.
     lo, hi = 1.0 - clip_eps, 1.0 + clip_eps
     sign = torch.sign(fused)
     advantage = torch.empty(S, L, dtype=torch.float64) if keep else None
-    scratch = None if keep else torch.empty_like(blocks._delta)
+    scratch = None if keep else blocks.scratch
     n_sat = n_nonzero = 0
     for i, j in blocks.blocks:
         d, mf, m = blocks.block(i, j, want_bool=not lo < hi)
