@@ -2,6 +2,7 @@
 
     python benchmarks/credit_learning.py            # the measured configuration (see the defaults below)
     python benchmarks/credit_learning.py --quick    # a seconds-long smoke run (tests/test_credit_learning.py)
+    python benchmarks/credit_learning.py --replot benchmarks/results/credit_learning.json   # redraw its PNG only
 
 Method (issue 19, item 4a; 4b with SmolLM2):
 
@@ -26,8 +27,8 @@ Method (issue 19, item 4a; 4b with SmolLM2):
 App. A.3's fallback, the state and its depth bin (:func:`credit_plugins.estimators.mvpo.default_signature`).
 
 Output: a table per method (seeds, mean final held-out success, 95 % t-interval over seeds, pooled Wilson interval
-over all seeds' episodes), learning curves (training success per step, mean and +-1 s.e. band over seeds) as a PNG,
-and everything in ``benchmarks/results/credit_learning.json``. Nothing is tuned to a claim: a tie is reported as one.
+over all seeds' episodes), a PNG (training success per step, mean and 95 % t-band over seeds; held-out success of
+the start and of each method with its 95 % interval), and everything in ``benchmarks/results/credit_learning.json``. Nothing is tuned to a claim: a tie is reported as one.
 """
 
 from __future__ import annotations
@@ -155,7 +156,22 @@ def aggregate(runs: list[dict], methods: list[str], baseline: str = "grpo") -> l
     return table
 
 
-def plot(runs: list[dict], methods: list[str], before: float | None, path: Path, model: str = "tiny-qwen2") -> str | None:
+def t_band(a):
+    """Mean and 95 % t half-width per column of ``a`` [seeds, steps] (half-width 0 for one seed)."""
+    import numpy as np
+
+    mu = a.mean(0)
+    if len(a) < 2:
+        return mu, np.zeros_like(mu)
+    from scipy import stats
+
+    return mu, float(stats.t.ppf(0.975, len(a) - 1)) * a.std(0, ddof=1) / math.sqrt(len(a))
+
+
+def plot(result: dict, path: Path) -> str | None:
+    """Two panels from a result dict (what ``main`` writes): training-rollout success per step (mean over seeds,
+    95 % t-band), and held-out success (the warm start with its Wilson interval; each method's final success, the
+    mean over seeds with its 95 % t-interval, or the pooled Wilson interval when it has one seed)."""
     try:
         import matplotlib
 
@@ -164,24 +180,44 @@ def plot(runs: list[dict], methods: list[str], before: float | None, path: Path,
         import numpy as np
     except ImportError:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    runs, table = result["runs"], result["table"]
+    methods = [r["method"] for r in table]
+    ev = (result.get("warm_start") or {}).get("eval") or {}
+    model = Path(str((result.get("warm_start") or {}).get("model") or "tiny-qwen2")).name
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
     for m in methods:
         curves = [[p["success"] for p in r["curve"]] for r in runs if r["method"] == m and r.get("curve")]
         if not curves:
             continue
         L = min(len(c) for c in curves)
-        a = np.array([c[:L] for c in curves], dtype=float)
-        mu = a.mean(0)
-        se = a.std(0, ddof=1) / math.sqrt(len(a)) if len(a) > 1 else np.zeros(L)
+        mu, half = t_band(np.array([c[:L] for c in curves], dtype=float))
         x = np.arange(1, L + 1)
-        ax.plot(x, mu, label=f"{m} (n={len(a)})")
-        ax.fill_between(x, mu - se, mu + se, alpha=0.2)
-    if before is not None:
-        ax.axhline(before, color="k", ls=":", lw=1, label="warm start (held-out)")
+        ax.plot(x, mu, label=f"{m} (n={len(curves)})")
+        ax.fill_between(x, mu - half, mu + half, alpha=0.2)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training-rollout success (mean ± s.e. over seeds)")
-    ax.set_title(f"{model} on MiniGrid 6x6, no shaping: credit estimators via TRL")
+    ax.set_ylabel("training-rollout success (mean, 95 % t-band)")
     ax.legend(fontsize=8)
+    names, mids, los, his = [], [], [], []
+    if ev.get("success_ci"):
+        names.append("start")
+        mids.append(ev["success_rate"])
+        los.append(ev["success_ci"][0])
+        his.append(ev["success_ci"][1])
+    for r in table:
+        if not r.get("seeds"):
+            continue
+        lo, hi = r["t95"] if r["seeds"] > 1 else r["pooled_wilson95"]
+        names.append(r["method"])
+        mids.append(r["mean_success"])
+        los.append(lo)
+        his.append(hi)
+    y = np.array(mids)
+    bx.errorbar(np.arange(len(names)), y, yerr=[y - np.array(los), np.array(his) - y], fmt="o", capsize=4)
+    bx.set_xticks(np.arange(len(names)), names, rotation=30)
+    bx.set_ylabel("held-out success (95 % interval)")
+    seeds = max((r.get("seeds", 0) for r in table), default=0)
+    bx.set_title("start: Wilson; methods: " + ("t over seeds" if seeds > 1 else "Wilson (one seed)"), fontsize=9)
+    fig.suptitle(f"{model} on MiniGrid 6x6, no shaping: credit estimators via TRL")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -205,7 +241,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", help="checkpoints and run folders (default runs/credit_learning[_quick])")
     p.add_argument("--out", help="result JSON; the PNG goes next to it (default benchmarks/results/credit_learning.json; "
                    "--quick: in the workdir)")
+    p.add_argument("--replot", metavar="JSON", help="only redraw the PNG of a result JSON (next to it)")
     cfg = p.parse_args(argv)
+    if cfg.replot:
+        path = Path(cfg.replot)
+        print(plot(json.loads(path.read_text()), path.with_suffix(".png")))
+        return 0
     base = QUICK if cfg.quick else DEFAULTS
     for k, v in base.items():
         if getattr(cfg, k) is None:
@@ -228,15 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     with ThreadPoolExecutor(max_workers=max(1, cfg.jobs)) as pool:
         runs = list(pool.map(lambda ms: one_run(cfg, common, work, str(work / "warm_start"), *ms), grid))
     table = aggregate(runs, methods)
-    model = Path(str(sft.get("model"))).name
-    png = plot(runs, methods, ev.get("success_rate"), out.with_suffix(".png"), model)
     result = {"config": {k: getattr(cfg, k) for k in ("recipe", "methods", "seeds", "steps", "sft_steps", "sft_lr",
                                                        "sft_batch", "sft_episodes", "eval_seeds", "jobs", "threads",
                                                        "quick")},
               "overrides": common, "warm_start": {k: sft.get(k) for k in ("model", "steps", "learning_rate",
                                                                            "batch_size", "episodes", "turns",
                                                                            "loss_last", "seconds", "eval")},
-              "table": table, "runs": runs, "png": png, "total_seconds": round(time.time() - t0, 1)}
+              "table": table, "runs": runs, "total_seconds": round(time.time() - t0, 1)}
+    png = result["png"] = plot(result, out.with_suffix(".png"))
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"\n{'method':>9} {'seeds':>5} {'mean':>7} {'95% t-interval':>18} {'pooled':>7} {'pooled Wilson':>17} "
           f"{'valid':>6} {'s/run':>6}  paired diff vs grpo [95% t]")

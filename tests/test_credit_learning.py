@@ -43,3 +43,23 @@ def test_quick_run(tmp_path):
     for run in res["runs"]:
         assert run["n_episodes"] == 4 and run["steps"] == 1 and len(run["curve"]) == 1
     assert res["warm_start"]["steps"] == 2
+
+
+def test_replot_draws_both_panels_from_a_result_json(tmp_path):
+    """--replot redraws the PNG from a saved result alone (no run): one seed uses the run's Wilson interval."""
+    pytest.importorskip("matplotlib")
+    cl = _load()
+    runs = [{"method": m, "seed": s, "success": x, "n_episodes": 8, "successes": round(8 * x), "valid": 1.0,
+             "wall_seconds": 1.0, "curve": [{"success": 0.1 * k} for k in range(3)]}
+            for m, s, x in (("grpo", 0, 0.25), ("grpo", 1, 0.5), ("gigpo", 0, 0.5), ("gigpo", 1, 0.75))]
+    result = {"runs": runs, "table": cl.aggregate(runs, ["grpo", "gigpo"]),
+              "warm_start": {"model": "/x/smollm2-135m-instruct", "eval": {"success_rate": 0.25,
+                                                                            "success_ci": list(cl.wilson(2, 8))}}}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    assert cl.main(["--replot", str(path)]) == 0
+    assert (tmp_path / "r.png").stat().st_size > 10_000
+    one = dict(result, runs=runs[:1], table=cl.aggregate(runs[:1], ["grpo"]))
+    assert cl.plot(one, tmp_path / "one.png") == str(tmp_path / "one.png")
+    mu, half = cl.t_band(__import__("numpy").array([[0.0, 1.0], [1.0, 1.0]]))
+    assert list(mu) == [0.5, 1.0] and half[1] == 0.0 and 6.3 < half[0] < 6.4  # t_0.975,1 x 0.5 = 6.35
