@@ -229,7 +229,7 @@ class TokenBlocks:
         self._maskf = torch.empty(rows, self.shape[1], dtype=torch.float64)
         self._mask = torch.empty(rows, self.shape[1], dtype=torch.bool)
         # logp_old as float64 before the subtraction: sub_ with a float32 operand would promote it into a fresh
-        # [rows, L] allocation on every block (page faults: ~10x the subtraction itself)
+        # [rows, L] allocation on every block (its page faults cost several times the subtraction)
         self._old64 = torch.empty(rows, self.shape[1], dtype=torch.float64) if logp_old.dtype != torch.float64 else None
         self.scratch = torch.empty(rows, self.shape[1], dtype=torch.float64)  # the callers' per-block temporary
 
