@@ -115,7 +115,8 @@ def run_sft(recipe: Recipe, out: str, episodes: int = 256, steps: int = 60, batc
     """Fine-tune the recipe's model on expert turns and save it to ``out``; returns the summary (also written to
     ``out/sft_summary.json``). ``steps=0`` saves and evaluates the model as it is (a start with no warm start, e.g.
     a pretrained LM in ``benchmarks/credit_learning.py``); its losses are then ``None``. ``final_out`` is the folder
-    the summary names as ``out`` when ``out`` is a temporary one renamed into place afterwards (the warm start's :func:`agentcredit.models.build_atomically`)."""
+    the summary names as ``out`` when ``out`` is a temporary one renamed into place afterwards (the warm start's
+    :func:`agentcredit.models.build_atomically`)."""
     import torch
 
     from . import train
