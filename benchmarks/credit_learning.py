@@ -28,7 +28,8 @@ App. A.3's fallback, the state and its depth bin (:func:`credit_plugins.estimato
 
 Output: a table per method (seeds, mean final held-out success, 95 % t-interval over seeds, pooled Wilson interval
 over all seeds' episodes), a PNG (training success per step, mean and 95 % t-band over seeds; held-out success of
-the start and of each method with its 95 % interval), and everything in ``benchmarks/results/credit_learning.json``. Nothing is tuned to a claim: a tie is reported as one.
+the start and of each method with its 95 % interval), and everything in ``benchmarks/results/credit_learning.json``.
+Nothing is tuned to a claim: a tie is reported as one.
 """
 
 from __future__ import annotations
