@@ -22,6 +22,14 @@ session and the step, so a rerun draws the same turns. ``p0 = 1`` is refused: it
 turns, and verl (0.9.1) cannot train a batch without a response token (its rollout correction refuses one). A batch
 whose every turn is drawn for the teacher fails the same way; with ``T`` turns per batch that has probability
 ``p^T`` (negligible at the hundreds of turns of a real batch, not at a smoke run's dozen). Rows carry ``by_teacher`` (bool); the bridge logs ``agentcredit/guided_teacher_turns`` (their share).
+
+A teacher turn is generated with :func:`teacher_sampling_params`: the policy's sampling parameters plus an explicit
+``max_tokens``, the budget a policy turn gets. verl builds the teacher's server for prompt log-probs only
+(``DistillationTeacherModelConfig.validate_and_prepare_for_distillation`` sets its ``response_length = 1`` and folds
+the student's response into its ``prompt_length``), and a vLLM server without ``max_tokens`` in the request defaults
+to ``min(response_length, prompt_length + response_length - len(prompt))``, i.e. one token: no teacher turn could hold
+``<action>...</action>``. A request's ``max_tokens`` is honoured up to ``max_model_len - len(prompt)`` (verl's
+``vLLMHttpServer.generate``; the ``hfcpu`` backend does the same).
 """
 
 from __future__ import annotations
@@ -35,8 +43,8 @@ from credit_plugins.hashing import stable_hash
 
 from ._compat import wraps_once
 
-__all__ = ["WORKER", "TurnGuide", "check_config", "enter_session", "leave_session", "turn_guide", "wrap_load_checkpoint",
-           "wrap_run_agent_loop"]
+__all__ = ["WORKER", "TurnGuide", "check_config", "enter_session", "leave_session", "teacher_sampling_params",
+           "turn_guide", "wrap_load_checkpoint", "wrap_run_agent_loop"]
 
 #: ``{"teacher_client": dict | None, "validate": bool}`` of the agent-loop worker running the current session
 WORKER: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("agentcredit_guided_worker",
@@ -52,6 +60,22 @@ class TurnGuide:
 
     def teacher_turn(self) -> bool:
         return self._rng.random() < self.p
+
+
+def teacher_sampling_params(sampling_params: Mapping[str, Any], rollout_config, prompt_len: int) -> dict[str, Any]:
+    """The sampling parameters of one Guided-OPD teacher turn: a copy of the policy's ``sampling_params`` with
+    ``max_tokens`` = the budget the policy's server gives a turn of a ``prompt_len``-token prompt when the request
+    names none (verl's vLLM server: ``min(response_length, prompt_length + response_length - prompt_len)``, at least
+    1), from the policy's ``rollout_config`` (``response_length``, ``prompt_length``). Without it the teacher's
+    server, which verl configures with ``response_length = 1``, writes one token per turn (see the module doc)."""
+    response_length = int(rollout_config.response_length)
+    budget = response_length
+    prompt_length = getattr(rollout_config, "prompt_length", None)
+    if prompt_length is not None:
+        budget = min(budget, int(prompt_length) + response_length - int(prompt_len))
+    params = {k: v for k, v in dict(sampling_params).items() if k not in ("max_tokens", "max_new_tokens")}
+    params["max_tokens"] = max(1, budget)
+    return params
 
 
 def _horizon(config) -> int | None:

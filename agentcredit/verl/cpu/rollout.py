@@ -138,12 +138,36 @@ class HFCPUServer:
         self.lock = asyncio.Lock()
         self.updates = 0
 
-    def _max_tokens(self, sampling_params: dict[str, Any], prompt_len: int) -> int:
+    def _max_model_len(self) -> int:
+        """verl's ``max_model_len`` rule: the configured one, else the model's ``max_position_embeddings`` (else
+        ``prompt_length + response_length``)."""
         cfg = self.config
-        room = int(cfg.prompt_length) + int(cfg.response_length) - prompt_len
-        wanted = sampling_params.pop("max_tokens", None) or sampling_params.pop("max_new_tokens", None)
-        wanted = int(cfg.response_length) if wanted is None else min(int(wanted), int(cfg.response_length))
-        return max(1, min(wanted, max(room, 1)))
+        configured = getattr(cfg, "max_model_len", None)
+        if configured is not None:
+            return int(configured)
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        return int(positions) if positions else int(cfg.prompt_length) + int(cfg.response_length)
+
+    def _max_tokens(self, sampling_params: dict[str, Any], prompt_len: int) -> int:
+        """How many tokens a request may generate, as verl's vLLM server decides it (``vLLMHttpServer.generate``):
+        the request's ``max_tokens`` (or ``max_new_tokens``) when given, **not** capped by this replica's
+        ``response_length`` (Guided-OPD's teacher, whose replica verl gives ``response_length = 1``, asks for a
+        policy turn's budget); else ``min(response_length, prompt_length + response_length - prompt_len)``; then
+        clamped to ``[1, max_model_len - prompt_len]``."""
+        cfg = self.config
+        room = self._max_model_len() - prompt_len
+        if room < 1:
+            raise ValueError(f"hfcpu: prompt length ({prompt_len}) leaves no room to generate within the model's "
+                             f"maximum context length ({self._max_model_len()})")
+        if sampling_params.get("max_tokens") is not None:
+            wanted = int(sampling_params.pop("max_tokens"))
+        elif sampling_params.get("max_new_tokens") is not None:
+            wanted = int(sampling_params.pop("max_new_tokens"))
+        else:
+            wanted = min(int(cfg.response_length), int(cfg.prompt_length) + int(cfg.response_length) - prompt_len)
+        sampling_params.pop("max_tokens", None)
+        sampling_params.pop("max_new_tokens", None)
+        return max(1, min(wanted, room))
 
     async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
                        image_data: Any = None, video_data: Any = None, **kwargs: Any) -> TokenOutput:

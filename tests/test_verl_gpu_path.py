@@ -1,0 +1,77 @@
+"""Defects of the GPU path found by reading verl 0.9.1's vLLM code, each shown on the CPU: Guided-OPD's teacher turn
+budget (the teacher's server is configured with ``response_length = 1``), the CCM teacher prompt cap (verl's
+``max_token_len`` assertion), the OPD top-k losses' memory (no full fp32 ``[tokens, vocab]`` copy) and the
+teacher-coverage metric (no read-back of the teacher log-probs), and the bf16 layout noise kept out of the
+hindsight gap."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import pytest
+
+pytest.importorskip("verl", reason="the [verl] extra is not installed")
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.verl
+
+
+def _tiny_model(vocab: int = 50, seed: int = 0):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("qwen2", vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+# ---- 1. Guided-OPD: a teacher turn gets a policy turn's token budget ------------------------------------------------
+def test_teacher_sampling_params_ask_for_a_policy_turns_budget():
+    from agentcredit.verl.guided import teacher_sampling_params
+
+    policy = {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
+    rollout = types.SimpleNamespace(response_length=64, prompt_length=256)
+    got = teacher_sampling_params(policy, rollout, prompt_len=100)
+    assert got == {**policy, "max_tokens": 64}
+    assert "max_tokens" not in policy  # the policy's own dict is not changed
+    # a long prompt gets what the policy's server would give it, never less than one token
+    assert teacher_sampling_params(policy, rollout, prompt_len=300)["max_tokens"] == 20
+    assert teacher_sampling_params(policy, rollout, prompt_len=10_000)["max_tokens"] == 1
+    # a stale budget in the policy's parameters is replaced, in either spelling
+    assert teacher_sampling_params({**policy, "max_new_tokens": 3}, rollout, 100) == {**policy, "max_tokens": 64}
+    no_prompt_budget = types.SimpleNamespace(response_length=32)
+    assert teacher_sampling_params(policy, no_prompt_budget, prompt_len=10_000)["max_tokens"] == 32
+
+
+def _hfcpu_server(tmp_path, prompt_length: int, response_length: int, max_model_len=None):
+    from agentcredit.verl.cpu.rollout import HFCPUServer
+
+    _tiny_model().save_pretrained(tmp_path)
+    config = types.SimpleNamespace(prompt_length=prompt_length, response_length=response_length,
+                                   max_model_len=max_model_len, seed=0)
+    threads = torch.get_num_threads()
+    try:
+        return HFCPUServer(config, types.SimpleNamespace(path=str(tmp_path), local_path=None))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_teacher_replica_writes_a_whole_turn_when_asked_as_vllm_would(tmp_path):
+    """verl's teacher replica: ``prompt_length`` = the student's prompt + response, ``response_length = 1``
+    (``validate_and_prepare_for_distillation``). vLLM honours a request's ``max_tokens`` above that (up to
+    ``max_model_len - len(prompt)``); the hfcpu backend must too, else a Guided-OPD teacher turn is one token."""
+    from agentcredit.verl.guided import teacher_sampling_params
+
+    student = types.SimpleNamespace(prompt_length=24, response_length=12)
+    teacher = _hfcpu_server(tmp_path, prompt_length=24 + 12, response_length=1)
+    prompt = [3, 7, 1, 9, 4]
+    policy = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True, "ignore_eos": True}
+    out = asyncio.run(teacher.generate(prompt, teacher_sampling_params(policy, student, len(prompt)), "r0"))
+    assert len(out.token_ids) == 12 == len(out.log_probs) and out.stop_reason == "length"
+    # the policy's parameters alone (what the agent loop sent before): the replica's default, one token
+    assert len(asyncio.run(teacher.generate(prompt, dict(policy), "r1")).token_ids) == 1
+    # max_model_len still bounds it, as in vLLM
+    small = _hfcpu_server(tmp_path, prompt_length=36, response_length=1, max_model_len=len(prompt) + 4)
+    assert len(asyncio.run(small.generate(prompt, teacher_sampling_params(policy, student, len(prompt)),
+                                          "r2")).token_ids) == 4
