@@ -75,3 +75,57 @@ def test_a_teacher_replica_writes_a_whole_turn_when_asked_as_vllm_would(tmp_path
     small = _hfcpu_server(tmp_path, prompt_length=36, response_length=1, max_model_len=len(prompt) + 4)
     assert len(asyncio.run(small.generate(prompt, teacher_sampling_params(policy, student, len(prompt)),
                                           "r2")).token_ids) == 4
+
+
+# ---- 3. CCM: the full-history teacher prompt fits verl's max_token_len -------------------------------------------------
+def test_teacher_token_limit_is_the_one_verls_log_prob_pass_asserts():
+    from omegaconf import OmegaConf
+
+    from agentcredit.verl.ccm import teacher_token_limit
+
+    cfg = OmegaConf.create({"actor_rollout_ref": {
+        "actor": {"use_dynamic_bsz": True, "ulysses_sequence_parallel_size": 1,
+                  "fsdp_config": {"ulysses_sequence_parallel_size": 2}},
+        "rollout": {"log_prob_max_token_len_per_gpu": 1000},
+        "ref": {"log_prob_use_dynamic_bsz": True, "log_prob_max_token_len_per_gpu": 300,
+                "ulysses_sequence_parallel_size": 4}}})
+    assert teacher_token_limit(cfg, in_actor=False) == 1200
+    assert teacher_token_limit(cfg, in_actor=True) == 2000
+    cfg.actor_rollout_ref.ref.log_prob_use_dynamic_bsz = False  # fixed micro-batches: verl asserts nothing
+    assert teacher_token_limit(cfg, in_actor=False) is None
+    assert teacher_token_limit(OmegaConf.create({}), in_actor=False) is None
+
+
+def test_cap_teacher_prompt_keeps_the_tail():
+    from agentcredit.verl.ccm import cap_teacher_prompt
+
+    prompt = list(range(10))
+    assert cap_teacher_prompt(prompt, 3, None) is prompt and cap_teacher_prompt(prompt, 3, 13) is prompt
+    assert cap_teacher_prompt(prompt, 3, 8) == [5, 6, 7, 8, 9]
+    assert cap_teacher_prompt(prompt, 3, 4) == [9] and cap_teacher_prompt(prompt, 3, 3) is None
+
+
+def test_ccm_scores_each_teacher_sequence_within_verls_token_budget(transfer_queue):
+    """The stand-in reference group of test_verl_bridge; ``log_prob_max_token_len_per_gpu = 6`` with dynamic batch
+    sizes: the 5-token full-history prompts plus 3 action tokens are cut to their last 3 tokens."""
+    from tests.test_verl_bridge import (CCM_TEACHER, ROWS, _CharTokenizer, _ccm_fields, _put_old_log_probs, _RefGroup,
+                                        _trainer_config, _write_rows)
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    keys = _write_rows(transfer_queue, more=_ccm_fields)
+    _put_old_log_probs(transfer_queue, keys)
+    ref = _RefGroup(transfer_queue)
+    config = _trainer_config(step_weight=0.5)
+    config.actor_rollout_ref.rollout.temperature = 1.0
+    config.actor_rollout_ref.ref = {"log_prob_use_dynamic_bsz": True, "log_prob_max_token_len_per_gpu": 6}
+    config.algorithm.agentcredit_ccm = {"distill_lambda": 0.01, "distill_beta": 5.0}
+    trainer = types.SimpleNamespace(config=config, tokenizer=_CharTokenizer(), actor_rollout_wg=ref,
+                                    ref_policy_wg=ref, use_reference_policy=True, ref_in_actor=False)
+    metrics = {}
+    batch = KVBatchMeta(partition_id="train", keys=list(keys), tags=[{"status": "success"}] * len(keys))
+    PPOTrainer._compute_advantage(trainer, batch, metrics=metrics)
+    (_, _, _, prompts, responses), = ref.calls
+    assert all(len(p) + len(r) <= 6 for p, r in zip(prompts, responses))
+    assert prompts == [CCM_TEACHER[-3:]] * 4 and len(ROWS) == 6
+    assert metrics["agentcredit/ccm_teacher_prompts_capped"] == 3 and metrics["agentcredit/ccm_distill_rows"] == 3

@@ -23,6 +23,14 @@ scoring of :mod:`agentcredit.verl.hindsight`):
   normaliser (verl's loss aggregation divides by its own token count, not by ``Σ M``: the term is scaled by the share
   of action tokens), and the PPO clip applies to it as to the rest of the advantage. The paper adds a separate loss.
 
+The full-history prompt grows with the episode and the agent loop never caps it, while verl's log-prob pass asserts
+that every sequence fits its micro-batch token budget (``rearrange_micro_batches``: ``max_token_len >=
+max_seq_len`` with ``max_token_len = log_prob_max_token_len_per_gpu * ulysses_sequence_parallel_size`` under dynamic
+batch sizes; :func:`teacher_token_limit`). So each teacher sequence (prompt + action tokens) is capped to that
+limit by dropping the **oldest** prompt tokens (:func:`cap_teacher_prompt`): the tail, with the most recent history
+and the ``<action>`` suffix, is kept, and so is every action token; a row whose action tokens alone exceed the
+limit is not distilled. ``agentcredit/ccm_teacher_prompts_capped`` counts the capped rows.
+
 Step metrics: ``agentcredit/ccm_distill_rows`` (eligible rows scored), ``agentcredit/ccm_distill_tokens``,
 ``agentcredit/ccm_gate_mean`` (mean ``g`` over those tokens), ``agentcredit/ccm_teacher_gap_mean`` (mean
 ``lp_T − lp_S``), ``agentcredit/ccm_seconds`` (``agentcredit/adv_abs_mean`` is the credit without the term).
@@ -41,7 +49,8 @@ from ._compat import algorithm_mapping
 from .contract import RowMeta
 from .hindsight import field_rows, score_prompts
 
-__all__ = ["CONFIG_KEY", "TEACHER_PROMPT", "ACTION_START", "ccm_params", "add_ccm_distillation"]
+__all__ = ["CONFIG_KEY", "TEACHER_PROMPT", "ACTION_START", "ccm_params", "add_ccm_distillation", "cap_teacher_prompt",
+           "teacher_token_limit"]
 
 #: ``algorithm.<CONFIG_KEY>``: ``{distill_lambda: 0.01, distill_beta: 5.0}`` (absent: no CCM distillation)
 CONFIG_KEY = "agentcredit_ccm"
@@ -61,6 +70,50 @@ def ccm_params(algorithm: Any) -> tuple[float, float] | None:
             raise ValueError(f"algorithm.{CONFIG_KEY}.{key}={v!r}; it must be a finite number >= 0")
     lam, beta = float(values["distill_lambda"]), float(values["distill_beta"])
     return None if lam == 0 else (lam, beta)
+
+
+def _get(node: Any, key: str, default: Any = None) -> Any:
+    if node is None:
+        return default
+    getter = getattr(node, "get", None)
+    value = getter(key, default) if getter is not None else getattr(node, key, default)
+    return default if value is None else value
+
+
+def teacher_token_limit(config: Any, in_actor: bool) -> int | None:
+    """The longest sequence verl's log-prob pass accepts for the worker that scores CCM's teacher (None: no limit):
+    with dynamic batch sizes, ``log_prob_max_token_len_per_gpu * ulysses_sequence_parallel_size`` of the reference
+    (``actor_rollout_ref.ref``), or of the actor's log-prob pass (``actor_rollout_ref.rollout`` and ``.actor``) when
+    the reference lives in the actor (``in_actor``); verl's ``rearrange_micro_batches`` asserts it. Without dynamic
+    batch sizes verl asserts nothing."""
+    arr = _get(config, "actor_rollout_ref")
+    if arr is None:
+        return None
+    actor = _get(arr, "actor")
+    if in_actor:
+        dynamic = _get(actor, "use_dynamic_bsz", False)
+        per_gpu, parallel = _get(_get(arr, "rollout"), "log_prob_max_token_len_per_gpu"), actor
+    else:
+        parallel = _get(arr, "ref")
+        dynamic = _get(parallel, "log_prob_use_dynamic_bsz", _get(actor, "use_dynamic_bsz", False))
+        per_gpu = _get(parallel, "log_prob_max_token_len_per_gpu")
+    if not dynamic or per_gpu is None:
+        return None
+    # verl's ActorConfig copies a (deprecated) role-level ulysses size > 1 over the fsdp_config one
+    sp = int(_get(parallel, "ulysses_sequence_parallel_size", 1))
+    if sp <= 1:
+        sp = int(_get(_get(parallel, "fsdp_config"), "ulysses_sequence_parallel_size", 1))
+    return int(per_gpu) * max(sp, 1)
+
+
+def cap_teacher_prompt(prompt_ids: list[int], n_action: int, limit: int | None) -> list[int] | None:
+    """``prompt_ids`` cut so that prompt + ``n_action`` action tokens fit ``limit`` tokens: its last
+    ``limit - n_action`` tokens (the most recent history and the ``<action>`` suffix); ``prompt_ids`` itself when it
+    fits or ``limit`` is None; None when not even one prompt token fits."""
+    if limit is None or len(prompt_ids) + n_action <= limit:
+        return prompt_ids
+    room = int(limit) - int(n_action)
+    return list(prompt_ids[-room:]) if room >= 1 else None
 
 
 def add_ccm_distillation(trainer, batch, meta: RowMeta, lam: float, beta: float) -> dict[str, float]:
@@ -87,9 +140,19 @@ def add_ccm_distillation(trainer, batch, meta: RowMeta, lam: float, beta: float)
             and 0 < int(cols[ACTION_START][i]) < old[i].numel()]
     bonus = [np.zeros(lp.numel(), dtype=np.float64) for lp in old]
     gates, gaps = [], []
+    limit = teacher_token_limit(trainer.config, bool(getattr(trainer, "ref_in_actor", False)))
+    capped = 0
+    prompts = []
+    for i in list(rows):  # verl asserts every sequence fits its micro-batch budget: keep the prompt's tail
+        full = list(cols[TEACHER_PROMPT][i])
+        cut = cap_teacher_prompt(full, old[i].numel() - int(cols[ACTION_START][i]), limit)
+        capped += cut is None or len(cut) < len(full)
+        if cut is None:
+            rows.remove(i)
+        else:
+            prompts.append(cut)
     if rows:
         starts = [int(cols[ACTION_START][i]) for i in rows]
-        prompts = [list(cols[TEACHER_PROMPT][i]) for i in rows]
         for i, start, lp_t in zip(rows, starts, score_prompts(trainer, batch, rows, prompts, response_starts=starts,
                                                               reference=True)):
             lp_s = old[i][start:]
@@ -112,6 +175,7 @@ def add_ccm_distillation(trainer, batch, meta: RowMeta, lam: float, beta: float)
              "agentcredit/ccm_distill_tokens": float(gate_all.numel()),
              "agentcredit/ccm_gate_mean": float(gate_all.mean()) if gate_all.numel() else 0.0,
              "agentcredit/ccm_teacher_gap_mean": float(gap_all.mean()) if gap_all.numel() else 0.0,
+             "agentcredit/ccm_teacher_prompts_capped": float(capped),
              "agentcredit/ccm_seconds": time.perf_counter() - started}
     meta.stats.update(stats)
     return stats
