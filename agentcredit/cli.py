@@ -48,16 +48,22 @@ def verl_command(recipe: str, overrides: list[str]) -> list[str]:
             *overrides]
 
 
-def _train_error(message: str) -> int:
-    print(f"agentcredit train: error: {' '.join(str(message).split())}", file=sys.stderr)
+def _train_error(message: str, command: str = "train") -> int:
+    print(f"agentcredit {command}: error: {' '.join(str(message).split())}", file=sys.stderr)
     return 2
+
+
+def _interrupted(command: str) -> int:
+    """A second Ctrl-C (or one before training began): one line, no traceback; 130 like a shell."""
+    print(f"agentcredit {command}: interrupted", file=sys.stderr)
+    return 130
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from .recipe import RecipeError, is_verl_recipe, load_recipe
 
     overrides = list(args.overrides)
-    bad = [o for o in overrides if o.startswith("-") or "=" not in o]
+    bad = [o for o in overrides if o.startswith("-") or ("=" not in o and not o.startswith("~"))]
     if bad:
         return _train_error(f"unrecognised argument(s) {bad}; overrides are key=value (learning_rate=1e-4, "
                             f"agentcredit.credit=graphhca); options: --max-steps N, --no-eval, --run")
@@ -82,22 +88,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from . import train
 
     try:
-        train.run(recipe, max_steps=args.max_steps, eval=not args.no_eval)
+        result = train.run(recipe, max_steps=args.max_steps, eval=not args.no_eval, overwrite=args.overwrite)
     except RecipeError as e:  # set-up problems found once the model is loaded (freeze_layers too deep, ...)
         return _train_error(str(e))
     except ImportError as e:
         if "agentcredit train needs" in str(e):
             return _train_error(str(e))
         raise
-    return 0
+    except KeyboardInterrupt:
+        return _interrupted("train")
+    return result.interrupted  # 0, or 128 + the signal that stopped it cleanly
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
     from .recipe import RecipeError, load_recipe
 
-    bad = [o for o in args.overrides if o.startswith("-") or "=" not in o]
+    bad = [o for o in args.overrides if o.startswith("-") or ("=" not in o and not o.startswith("~"))]
     if bad:
-        return _train_error(f"unrecognised argument(s) {bad}; overrides are key=value")
+        return _train_error(f"unrecognised argument(s) {bad}; overrides are key=value", "sft")
     try:
         recipe = load_recipe(args.recipe, list(args.overrides))
         from . import sft
@@ -105,31 +113,36 @@ def _cmd_sft(args: argparse.Namespace) -> int:
         sft.run_sft(recipe, args.out, episodes=args.episodes, steps=args.steps, batch_size=args.batch_size,
                     learning_rate=args.learning_rate, eval=not args.no_eval)
     except (RecipeError, ImportError, FileNotFoundError) as e:
-        return _train_error(str(e))
+        return _train_error(str(e), "sft")
+    except KeyboardInterrupt:
+        return _interrupted("sft")
     return 0
 
 
 def _cmd_ross(args: argparse.Namespace) -> int:
     from .recipe import RecipeError, load_recipe
 
-    bad = [o for o in args.overrides if o.startswith("-") or "=" not in o]
+    bad = [o for o in args.overrides if o.startswith("-") or ("=" not in o and not o.startswith("~"))]
     if bad:
-        return _train_error(f"unrecognised argument(s) {bad}; overrides are key=value")
+        return _train_error(f"unrecognised argument(s) {bad}; overrides are key=value", "ross")
     try:
         recipe = load_recipe(args.recipe, list(args.overrides))
         from . import ross
 
         ross.run_ross(recipe, args.archive, args.out, model_path=args.model, steps=args.steps,
                       learning_rate=args.learning_rate, batch_size=args.batch_size, context=args.context,
-                      selector=args.selector, eval=not args.no_eval, eval_before=not args.no_before)
+                      selector=args.selector, eval=not args.no_eval, eval_before=not args.no_before,
+                      run=args.run_id)
     except (RecipeError, ImportError, FileNotFoundError) as e:
-        return _train_error(str(e))
+        return _train_error(str(e), "ross")
+    except KeyboardInterrupt:
+        return _interrupted("ross")
     return 0
 
 
 def _cmd_verl(args: argparse.Namespace) -> int:
     if not os.path.isfile(args.recipe):
-        return _train_error(f"recipe {args.recipe!r} does not exist")
+        return _train_error(f"recipe {args.recipe!r} does not exist", "verl")
     if not args.cpu_smoke:
         print(shlex.join(verl_command(args.recipe, list(args.overrides))))
         return 0
@@ -144,7 +157,9 @@ def _cmd_verl(args: argparse.Namespace) -> int:
     rc, _, steps = smoke.run(run, timeout=args.timeout, echo=args.verbose)
     print(smoke.format_metrics(steps))
     if rc != 0 or len(steps) < args.steps:
-        print(f"agentcredit verl: the run failed (exit {rc}); see {workdir}/run.log", file=sys.stderr)
+        cause = smoke.cause_line(os.path.join(workdir, "run.log"))
+        print(f"agentcredit verl: the run failed (exit {rc}){': ' + cause if cause else ''}; see {workdir}/run.log",
+              file=sys.stderr)
         return rc or 1
     return 0
 
@@ -169,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, default=None, help="override max_steps (smoke runs)")
     p.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations before and after")
     p.add_argument("--run", action="store_true", help="verl recipes: run the printed command")
+    p.add_argument("--overwrite", action="store_true", help="start anew in an output_dir that holds an earlier run "
+                   "(its metrics, summary, checkpoints, final model and rollout archive are deleted; a warm start is "
+                   "kept); without it such a folder is refused unless resume_from_checkpoint=true resumes it")
     p.set_defaults(func=_cmd_train)
     p = sub.add_parser("sft", help="make a distillation teacher: fine-tune a recipe's model on the env's scripted "
                        "expert (agentcredit.sft)")
@@ -178,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--episodes", type=int, default=256, help="expert episodes (one per training seed)")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps (0: save and evaluate the model as is)")
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--learning-rate", type=float, default=5e-5)
+    p.add_argument("--learning-rate", type=float, default=None, help="default: the recipe's "
+                   "agentcredit.warm_start.learning_rate, else 5e-5")
     p.add_argument("--no-eval", action="store_true", help="skip the teacher's held-out evaluation")
     p.set_defaults(func=_cmd_sft)
     p = sub.add_parser("ross", help="relearn from a run's archived rollouts: select continuations, SFT on them "
@@ -187,7 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value overrides of the recipe")
     p.add_argument("--archive", required=True, help="the run's rollout archive (agentcredit.rollout_options.archive)")
     p.add_argument("--out", required=True, help="folder for the fine-tuned model and ross_summary.json")
-    p.add_argument("--model", default=None, help="model to fine-tune (default: the recipe's)")
+    p.add_argument("--model", default=None, help="model to fine-tune, e.g. the run's OUTPUT_DIR/final (default: the "
+                   "recipe's warm start when it has one, else its model_name_or_path; the choice is printed)")
+    p.add_argument("--run-id", default=None, help="an archive holding several runs' rollouts: use this run's only")
     p.add_argument("--steps", type=int, default=40, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--learning-rate", type=float, default=1e-5)

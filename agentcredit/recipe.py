@@ -212,9 +212,15 @@ def apply_overrides(data: dict[str, Any], overrides) -> dict[str, Any]:
     """Set each ``key=value`` of ``overrides`` into the nested mapping ``data`` (in place; returns it).
 
     A dotted key sets one entry (``agentcredit.env_options.size=5``); a mapping value replaces the whole entry
-    (``agentcredit.credit_params={}`` clears the parameters).
+    (``agentcredit.credit_params={}`` clears the parameters), except for the env's options (:data:`MERGED`):
+    ``agentcredit.env_options={size: 7}`` changes ``size`` and keeps the other options; there a ``null`` value
+    (``agentcredit.env_options.shaping=null``, ``{shaping: null}``) or a ``~key`` (``{~shaping: 0}``) deletes the
+    option (back to the env's default). ``~a.b`` (Hydra's syntax, no ``=``) deletes the key ``a.b`` anywhere.
     """
     for item in overrides or ():
+        if isinstance(item, str) and item.startswith("~"):
+            _delete(data, item)
+            continue
         path, value = _override_value(item)
         node = data
         for i, part in enumerate(path[:-1]):
@@ -223,8 +229,37 @@ def apply_overrides(data: dict[str, Any], overrides) -> dict[str, Any]:
             if not isinstance(node[part], dict):
                 raise RecipeError(f"override {item!r}: {'.'.join(path[:i + 1])} is {node[part]!r}, not a mapping")
             node = node[part]
-        node[path[-1]] = value
+        if tuple(path) in MERGED and isinstance(value, dict):
+            if not isinstance(node.get(path[-1]), dict):
+                node[path[-1]] = {}
+            for key, v in value.items():
+                key = str(key)
+                if key.startswith("~") or v is None:
+                    node[path[-1]].pop(key.lstrip("~"), None)
+                else:
+                    node[path[-1]][key] = v
+        elif tuple(path[:-1]) in MERGED and value is None:
+            node.pop(path[-1], None)
+        else:
+            node[path[-1]] = value
     return data
+
+
+#: mappings that ``key={...}`` overrides merge into key by key (``null`` / ``~key`` delete), not replace
+MERGED = {("agentcredit", "env_options")}
+
+
+def _delete(data: dict[str, Any], item: str) -> None:
+    """``~a.b.c``: remove ``c`` from ``data["a"]["b"]`` (a ``RecipeError`` naming the key when it is not there)."""
+    key = item[1:].split("=", 1)[0].strip()
+    path = key.split(".") if key else []
+    node: Any = data
+    for part in path[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+    if not path or any(not p for p in path) or not isinstance(node, dict) or path[-1] not in node:
+        raise RecipeError(f"override {item!r}: there is no key {key!r} to delete (~key removes a key the recipe "
+                          f"sets, e.g. ~agentcredit.env_options.shaping)")
+    del node[path[-1]]
 
 
 def parse_overrides(overrides) -> dict[str, Any]:
@@ -487,6 +522,7 @@ def _agentcredit(block: Any, model_args: dict[str, Any], build_env: bool) -> Age
         raise RecipeError(f"agentcredit.env={ac.env!r} is not a registered environment{_suggest(ac.env, envs)}; "
                           f"available: {', '.join(envs)}")
     if build_env:
+        _check_env_option_types(ac.env, ac.env_options, registry.get(ac.env, kind="envs"))
         try:
             env = registry.get(ac.env, kind="envs")(**ac.env_options)
         except ImportError as e:
@@ -504,6 +540,29 @@ def _agentcredit(block: Any, model_args: dict[str, Any], build_env: bool) -> Age
                 raise RecipeError(f"agentcredit.warm_start needs a scripted expert (expert_actions()); env {ac.env!r} "
                                   f"with {ac.env_options} has none (MiniGrid with moves=absolute has one)") from None
     return ac
+
+
+def _check_env_option_types(env: str, options: dict[str, Any], spec: Any) -> None:
+    """An option whose default is a bool, a number or a string gets a value of that type (``size: big`` is an error
+    naming ``size``, not a comparison failing deep in the env)."""
+    defaults = spec.options() if callable(getattr(spec, "options", None)) else {}
+    for key, value in options.items():
+        default = defaults.get(key)
+        if default is None or value is None:
+            continue
+        if isinstance(default, bool):
+            ok, want = isinstance(value, bool), "true or false"
+        elif isinstance(default, int):
+            ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
+        elif isinstance(default, float):
+            ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+        elif isinstance(default, str):
+            ok, want = isinstance(value, str), "a string"
+        else:
+            continue
+        if not ok:
+            raise RecipeError(f"agentcredit.env_options.{key} must be {want} (env {env!r}, default {default!r}), got "
+                              f"{value!r}")
 
 
 def rollout_class(name: str) -> type:

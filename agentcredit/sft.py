@@ -110,19 +110,29 @@ def _batches(rows, batch_size: int, steps: int, rng: random.Random, pad: int):
 
 
 def run_sft(recipe: Recipe, out: str, episodes: int = 256, steps: int = 60, batch_size: int = 32,
-            learning_rate: float = 5e-5, seed: int = 0, eval: bool = True,  # noqa: A002
+            learning_rate: float | None = None, seed: int = 0, eval: bool = True,  # noqa: A002
             final_out: str | None = None) -> dict[str, Any]:
     """Fine-tune the recipe's model on expert turns and save it to ``out``; returns the summary (also written to
     ``out/sft_summary.json``). ``steps=0`` saves and evaluates the model as it is (a start with no warm start, e.g.
     a pretrained LM in ``benchmarks/credit_learning.py``); its losses are then ``None``. ``final_out`` is the folder
     the summary names as ``out`` when ``out`` is a temporary one renamed into place afterwards (the warm start's
-    :func:`agentcredit.models.build_atomically`)."""
+    :func:`agentcredit.models.build_atomically`). ``learning_rate`` None: the recipe's
+    ``agentcredit.warm_start.learning_rate`` (what its own warm start uses), else 5e-5. The model path and ``out`` are
+    checked before any model loads; ``out`` gets the recipe (``recipe.yaml``) next to the weights."""
     import torch
 
-    from . import train
+    from . import lifecycle, train
 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise RecipeError(f"sft steps={steps!r}: give a whole number >= 0 (0 saves and evaluates the model as is)")
+    if learning_rate is None:
+        ws = recipe.agentcredit.warm_start
+        learning_rate = ws.learning_rate if ws is not None else 5e-5
+        source = "the recipe's agentcredit.warm_start.learning_rate" if ws is not None else "default"
+        print(f"agentcredit sft: learning rate {learning_rate:g} ({source})", flush=True)
+    lifecycle.check_model_path("model_name_or_path", recipe.model_args.get("model_name_or_path"),
+                               fix="give an existing model folder, a hub id or a built-in name")
+    lifecycle.check_out_dir("--out", out)
     t0 = time.time()
     ac = recipe.agentcredit
     lo, hi = ac.train_seeds
@@ -162,6 +172,7 @@ def run_sft(recipe: Recipe, out: str, episodes: int = 256, steps: int = 60, batc
         model = model.merge_and_unload()
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
+    (target / "recipe.yaml").write_text(train._resolved_recipe_yaml(recipe))
     result = None
     if eval and ac.eval is not None:
         from .trl import rollouts

@@ -13,7 +13,7 @@ what TRL's ``SFTTrainer`` takes with ``completion_only_loss``).
 
 Archive line (``format = "agentcredit-rollouts/1"``)::
 
-    {"format", "source": "trl"|"verl", "step", "env", "seed", "group", "traj", "success", "truncated", "return",
+    {"format", "source": "trl"|"verl", "run", "step", "env", "seed", "group", "traj", "success", "truncated", "return",
      "turns": [{"t", "prompt_ids", "completion_ids", "response", "action_text", "action_key", "state", "action",
                 "reward", "valid", "by_teacher"}, ...]}
 
@@ -48,6 +48,7 @@ __all__ = [
     "LoopErasedSelector",
     "SFTExample",
     "Selector",
+    "archive_provenance",
     "build_examples",
     "loop_erased_turns",
     "read_archive",
@@ -84,13 +85,16 @@ class ArchivedTrajectory:
     traj: int = 0
     source: str = "trl"
     extra: dict[str, Any] = field(default_factory=dict)
+    #: the run that played it (``agentcredit train``'s run id; "" in archives written before runs had ids)
+    run: str = ""
 
     @property
     def total_reward(self) -> float:
         return float(sum(t.reward for t in self.turns))
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": ARCHIVE_FORMAT, "source": self.source, "step": int(self.step), "env": self.env,
+        return {"format": ARCHIVE_FORMAT, "source": self.source, **({"run": self.run} if self.run else {}),
+                "step": int(self.step), "env": self.env,
                 "seed": self.seed, "group": int(self.group), "traj": int(self.traj), "success": bool(self.success),
                 "truncated": bool(self.truncated), "return": self.total_reward, **({"extra": self.extra}
                                                                                   if self.extra else {}),
@@ -119,20 +123,27 @@ class ArchivedTrajectory:
         return cls(turns=turns, success=bool(d["success"]), truncated=bool(d.get("truncated", False)),
                    step=int(d.get("step", 0)), env=str(d.get("env", "")), seed=d.get("seed"),
                    group=int(d.get("group", 0)), traj=int(d.get("traj", 0)), source=str(d.get("source", "")),
-                   extra=dict(d.get("extra", {})))
+                   extra=dict(d.get("extra", {})), run=str(d.get("run", "") or ""))
 
 
 class ArchiveWriter:
-    """Appends trajectories to a JSONL archive (one line each; thread-safe; the folder is created)."""
+    """Appends trajectories to a JSONL archive (one line each; thread-safe; the folder is created).
 
-    def __init__(self, path: str | os.PathLike):
+    ``run`` / ``env`` (also settable later as attributes) are stamped on every trajectory that names none, so each
+    record says which run and which env it came from (:func:`archive_provenance` reads them back)."""
+
+    def __init__(self, path: str | os.PathLike, run: str = "", env: str = ""):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self.written = 0
+        self.run, self.env = run, env
 
     def write(self, trajectories: Iterable[ArchivedTrajectory]) -> int:
-        lines = [json.dumps(t.to_json(), separators=(",", ":")) for t in trajectories]
+        from dataclasses import replace
+
+        stamped = (replace(t, run=t.run or self.run, env=t.env or self.env) for t in trajectories)
+        lines = [json.dumps(t.to_json(), separators=(",", ":")) for t in stamped]
         with self._lock, open(self.path, "a", encoding="utf-8") as f:
             f.writelines(ln + "\n" for ln in lines)
         self.written += len(lines)
@@ -154,6 +165,16 @@ def read_archive(path: str | os.PathLike) -> Iterator[ArchivedTrajectory]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{p}:{n}: not JSON ({e})") from None
             yield ArchivedTrajectory.from_json(d, where=f"{p}:{n}")
+
+
+def archive_provenance(trajectories: Iterable[ArchivedTrajectory]) -> dict[str, dict[str, int]]:
+    """``{"runs": {run: records}, "envs": {env: records}}`` of an archive's trajectories ("" = not recorded)."""
+    runs: dict[str, int] = {}
+    envs: dict[str, int] = {}
+    for t in trajectories:
+        runs[t.run] = runs.get(t.run, 0) + 1
+        envs[t.env] = envs.get(t.env, 0) + 1
+    return {"runs": runs, "envs": envs}
 
 
 # ---- selectors ------------------------------------------------------------------------------------------------------

@@ -459,7 +459,12 @@ def test_cli_train_end_to_end_on_the_tiny_model(tmp_path, capsys):
     assert "paired by seed" in printed
     png = out / "learning_curve.png"
     assert png.exists() and png.stat().st_size > 1000
-    assert printed.strip().splitlines()[-1] == str(png)  # the PNG path is printed last
+    assert str(png) in printed.strip().splitlines()
+    # the trained model is saved (merged, with its tokenizer and recipe) and its folder printed last
+    assert printed.strip().splitlines()[-1] == f"trained model: {out / 'final'}"
+    assert summary["final_model"] == str(out / "final") and summary["status"] == "finished"
+    assert {"config.json", "model.safetensors", "tokenizer_config.json", "recipe.yaml"} <= \
+        {p.name for p in (out / "final").iterdir()}
     assert "95% interval" in printed and "before" in printed and "after" in printed
 
 
@@ -492,13 +497,15 @@ def test_warm_start_then_rl_and_a_rerun_reuses_it(tmp_path, capsys):
     assert any(not torch.equal(base[k], made[k]) for k in base)
     stamp = (warm / "model.safetensors").stat().st_mtime_ns
 
-    assert cli.main(args + ["--no-eval"]) == 0  # the same settings: reused, not remade
+    assert cli.main(args + ["--no-eval"]) == 2  # the folder holds a run: refused before any work
+    assert "already holds a run" in capsys.readouterr().err
+    assert cli.main(args + ["--no-eval", "--overwrite"]) == 0  # the same settings: reused, not remade
     assert "warm start reused" in capsys.readouterr().out
     assert (warm / "model.safetensors").stat().st_mtime_ns == stamp
 
     args[args.index("agentcredit.warm_start={steps: 3, batch_size: 4, episodes: 4}")] = \
         "agentcredit.warm_start={steps: 2, batch_size: 4, episodes: 4}"
-    assert cli.main(args + ["--no-eval"]) == 0  # changed settings: made again
+    assert cli.main(args + ["--no-eval", "--overwrite"]) == 0  # changed settings: made again
     assert "warm start: 2 supervised steps" in capsys.readouterr().out
     assert json.loads((warm / "sft_summary.json").read_text())["steps"] == 2
 

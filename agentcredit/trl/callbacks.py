@@ -21,7 +21,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-__all__ = ["MetricsCallback", "plot_learning_curve", "read_metrics"]
+__all__ = ["MetricsCallback", "StopCallback", "plot_learning_curve", "read_metrics"]
 
 _SUMMARY_KEYS = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss")
 
@@ -44,7 +44,9 @@ def _number(value: Any) -> float | int | None:
 class MetricsCallback(TrainerCallback):
     """Append one JSON line per logging step to ``<output_dir>/metrics.jsonl`` (rank 0 only).
 
-    The file is truncated when training begins, so a rerun into the same folder starts a fresh curve.
+    When training begins the file is truncated, or, when the trainer resumes from a checkpoint (``global_step > 0``
+    at ``on_train_begin``), cut back to the rows of steps up to the checkpoint's and continued: the rows a killed run
+    logged after its last checkpoint are replayed by the resumed run, not kept twice.
     """
 
     def __init__(self, path: str | os.PathLike | None = None):
@@ -63,7 +65,12 @@ class MetricsCallback(TrainerCallback):
         if state.is_world_process_zero:
             target = self._target(args)
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text("")
+            resumed_at = int(state.global_step or 0)
+            keep = [r for r in read_metrics(target) if int(r.get("step", 0)) <= resumed_at] if resumed_at else []
+            target.write_text("".join(json.dumps(r) + "\n" for r in keep))
+            self.rows = len(keep)
+            if keep and isinstance(keep[-1].get("time"), (int, float)):  # the clock continues too
+                self._t0 -= float(keep[-1]["time"])
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
@@ -82,6 +89,27 @@ class MetricsCallback(TrainerCallback):
         with target.open("a", encoding="utf-8") as fh:
             fh.write(json.dumps(row) + "\n")
         self.rows += 1
+
+
+class StopCallback(TrainerCallback):
+    """A clean stop: once ``stop.signal`` is set (:class:`agentcredit.lifecycle.GracefulStop`), the step that is
+    running finishes, a checkpoint is written (``control.should_save``) and training stops
+    (``control.should_training_stop``). With a ``save_strategy`` other than ``"no"`` the last step is checkpointed
+    too, so a finished run can be continued with a larger ``max_steps``."""
+
+    def __init__(self, stop):
+        self.stop = stop
+        self.stopped_at: int | None = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if getattr(self.stop, "signal", None) is not None:
+            control.should_save = True
+            control.should_training_stop = True
+            self.stopped_at = int(state.global_step)
+        elif state.max_steps and state.global_step >= state.max_steps and str(getattr(
+                args.save_strategy, "value", args.save_strategy)) != "no":
+            control.should_save = True
+        return control
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -383,6 +383,31 @@ def run(smoke: SmokeRun, timeout: float | None = None, echo: bool = False) -> tu
     return rc, text, parse_metrics(text.splitlines())
 
 
+_STAMP = re.compile(r"^\[\s*[\d.]+s\]\s?")
+_RAY_PREFIX = re.compile(r"^\(\w+ pid=\d+(?:, ip=[\d.]+)?\)\s*")
+_SPECIFIC = re.compile(r"is not in struct|Could not override|Could not load|Missing mandatory value|"
+                       r"ConfigAttributeError|ConfigKeyError|No such file|not found|Cannot find")
+_EXCEPTION = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|Interrupt)\b:?")
+
+
+def cause_line(log_path: str | os.PathLike, most: int = 400) -> str:
+    """The line of a failed run's log most likely to say why it failed: the last config or lookup complaint
+    (Hydra's ``Key 'gama' is not in struct``, a missing file), else the last ``...Error: ...`` line, else the last
+    line; ``""`` when the log is missing or empty. The ``[  12.3s]`` stamps and Ray's ``(Actor pid=N)`` prefixes
+    are removed."""
+    try:
+        text = Path(log_path).read_text(errors="replace")
+    except OSError:
+        return ""
+    lines = [_RAY_PREFIX.sub("", _STAMP.sub("", ln)).strip() for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln and "HYDRA_FULL_ERROR" not in ln]
+    for pattern in (_SPECIFIC, _EXCEPTION):
+        hits = [ln for ln in lines if pattern.search(ln)]
+        if hits:
+            return hits[-1][:most]
+    return lines[-1][:most] if lines else ""
+
+
 def format_metrics(steps: Mapping[int, Mapping[str, Any]], prefixes: Sequence[str] = SHOWN) -> str:
     lines = []
     for step in sorted(steps):
