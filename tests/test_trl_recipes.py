@@ -69,6 +69,14 @@ def test_there_are_shipped_recipes():
 
 
 @pytest.mark.parametrize("path", TRL_RECIPES, ids=lambda p: Path(p).stem)
+def test_shipped_recipes_checkpoint_long_runs(path):
+    """Every recipe checkpoints a few times per run (resume_from_checkpoint=true), keeping the last two."""
+    t = load_recipe(path, [] if _cuda() or "use_cpu" in Path(path).read_text() else ["use_cpu=true"]).trl_args
+    assert t["save_strategy"] == "steps" and 1 <= t["save_steps"] <= max(t["max_steps"] // 3, 1)
+    assert t["save_total_limit"] == 2
+
+
+@pytest.mark.parametrize("path", TRL_RECIPES, ids=lambda p: Path(p).stem)
 def test_shipped_recipe_loads_and_builds_grpo_config(path):
     overrides = [] if _cuda() or "use_cpu" in Path(path).read_text() else ["use_cpu=true"]  # GPU recipes on CPU
     r = load_recipe(path, overrides)
@@ -98,7 +106,7 @@ def test_demo_recipe_settings():
 
     assert t["bf16"] is native_bf16("cpu") and r.precision  # bf16: auto, resolved by this machine's CPU
     assert t["lr_scheduler_type"] == "constant" and 3e-5 <= t["learning_rate"] <= 1e-4
-    assert t["use_cpu"] is True and t["logging_steps"] == 1 and t["save_strategy"] == "no"
+    assert t["use_cpu"] is True and t["logging_steps"] == 1 and t["save_strategy"] == "steps"
     assert (ac.env, ac.bridge, ac.credit, ac.freeze_layers) == ("minigrid", "rollout_func", "gigpo", 20)
     assert ac.env_options == {"size": 6, "moves": "absolute", "view": "coords", "shaping": 1.0}
     assert ac.system == "Grid game."
