@@ -125,24 +125,24 @@ def test_action_start_finds_the_first_action_token(tiny):
 def test_ccm_trainer_distills_action_tokens_only_from_a_frozen_initial_model(tmp_path, tiny, monkeypatch):
     from trl import GRPOConfig
 
-    from agentcredit.trl import ccm, rollouts
+    from agentcredit.trl import ccm, generation
 
     tok, load = tiny
     # a scripted policy in the memory format (the random tiny model would never write it): good, malformed, bad
     scripts = ["k1</memory><action>right</action>", "oops<action>down</action>", "k2</memory><action>zz</action>"]
-    real = rollouts._generate  # the episode engine's generation step (shared by both contexts)
+    real = generation.HFGenerator.generate  # the episode engine's generation step (shared by both contexts)
     calls = {"n": 0}
 
-    def scripted(model, tokenizer, prompts, gen_config, eos, pad, batch_size):
-        real(model, tokenizer, prompts, gen_config, eos, pad, batch_size)          # the model still samples
+    def scripted(self, prompts, params):
+        real(self, prompts, params)                                                # the model still samples
         out = []
         for _ in prompts:
             text = scripts[calls["n"] % len(scripts)]
             calls["n"] += 1
-            out.append((tokenizer(text, add_special_tokens=False)["input_ids"], text))
+            out.append((self.tok(text, add_special_tokens=False)["input_ids"], text, None))
         return out
 
-    monkeypatch.setattr(rollouts, "_generate", scripted)
+    monkeypatch.setattr(generation.HFGenerator, "generate", scripted)
     seen = []
 
     class Rec(ccm.MemoryTurnRollout):

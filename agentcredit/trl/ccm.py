@@ -115,8 +115,8 @@ class MemoryContext(TranscriptContext):
 
 def play_memory_episodes(model, tokenizer, specs, *, max_new_tokens: int = 32, **kwargs: Any) -> list[Episode]:
     """:func:`~agentcredit.trl.rollouts.play_episodes` in CCM's memory context (:class:`MemoryContext`); the turns
-    are :class:`MemoryTurnRecord` s. ``before_step`` and ``guide`` work as there (a Guided-OPD teacher turn reads the
-    same memory prompt); ``prompt`` / ``history_length`` are not used."""
+    are :class:`MemoryTurnRecord` s. ``before_step``, ``guide`` and ``generator`` work as there (a Guided-OPD teacher
+    turn reads the same memory prompt); ``prompt`` / ``history_length`` are not used."""
     kwargs.pop("context", None)
     return play_episodes(model, tokenizer, specs, max_new_tokens=max_new_tokens, context=MemoryContext, **kwargs)
 

@@ -25,6 +25,11 @@ rollout is built.
   ``root_selected`` (the ranking: :func:`env_adapters.search.fork_starts`). ``num_generations`` must hold the largest tree:
   ``(initial + iterations * beam * branches) * max_turns`` rows (the rest are padding rows).
 
+Generation: :func:`agentcredit.trl.generation.rollout_generator` (HF ``generate``, or TRL's vLLM engine with
+``use_vllm=true``, whose rows then carry its sampling log-probs; the tree's surprisal is then computed from vLLM's
+log-probs, which TRL asks for after temperature and top-k/top-p). ASCT's label scores are always a forward pass of
+the HF training model, on either back-end (TRL syncs the vLLM weights to it before each rollout call).
+
 Extra rollouts per training step (reported by :meth:`metrics` as ``extra_env_steps`` / ``extra_generations``):
 ASCT adds ``budget`` env-only trials per decision (no generation) plus one scoring forward over the legal labels;
 the tree adds ``iterations * beam * branches`` generated branches per seed to the ``initial`` chains.
@@ -42,7 +47,8 @@ from credit_plugins.hashing import stable_hash
 
 from env_adapters.prompting import build_prompt, parse_action
 from env_adapters.search import Node, decision_row, fork_starts, new_root, require_search_env
-from .rollouts import ACTION_PREFIX, TurnRollout, _cut, _eos_ids, chat_text, compact_prompt, legal_actions
+from .generation import TurnSampling, rollout_generator, sampling_logprobs
+from .rollouts import ACTION_PREFIX, TurnRollout, chat_text, compact_prompt, legal_actions
 
 __all__ = ["CounterfactualRollout", "TreeRollout", "require_search_env"]
 
@@ -173,11 +179,12 @@ class TreeRollout(TurnRollout):
         tok = trainer.processing_class
         args = trainer.args
         max_new = self._answer_budget(tok, args, seeds[0])
-        self._gen = _Generator(model, tok, max_new_tokens=max_new,
-                               temperature=float(getattr(args, "temperature", 1.0) or 1.0),
-                               top_p=float(getattr(args, "top_p", 1.0)), top_k=int(getattr(args, "top_k", 0) or 0),
-                               system=self.system, prompt=self.prompt, history_length=self.history_length,
-                               batch_size=self.batch_size)
+        params = TurnSampling(max_new_tokens=max_new, temperature=float(getattr(args, "temperature", 1.0) or 1.0),
+                              top_p=float(getattr(args, "top_p", 1.0)), top_k=int(getattr(args, "top_k", 0) or 0),
+                              min_p=getattr(args, "min_p", None))
+        gen = rollout_generator(trainer, model, tok, batch_size=self.batch_size, logprobs=True)  # for the surprisal
+        self._gen = _Generator(gen, tok, params, system=self.system, prompt=self.prompt,
+                               history_length=self.history_length)
         trees: list[list[Node]] = [[] for _ in range(blocks)]
         self._roots = [new_root() for _ in range(blocks)]
         was_training = model.training
@@ -220,7 +227,7 @@ class TreeRollout(TurnRollout):
         while live:
             turns = self._gen.turns([x["env"] for x in live], [x["obs"] for x in live])
             still = []
-            for x, (p_ids, c_ids, response, surprisal) in zip(live, turns):
+            for x, (p_ids, c_ids, response, surprisal, lps) in zip(live, turns):
                 env, tree = x["env"], trees[x["block"]]
                 snap = env.snapshot()
                 action_text = parse_action(response)
@@ -230,7 +237,7 @@ class TreeRollout(TurnRollout):
                 node = Node(id=len(tree), parent=x["parent"], depth=x["depth"], prompt_ids=p_ids,
                             completion_ids=c_ids, state=state, action=-1 if key is None else stable_hash(key),
                             reward=float(res.reward), valid=key is not None, surprisal=surprisal, fresh=x["fresh"],
-                            snapshot=snap, path_return=x["ret"] + float(res.reward))
+                            snapshot=snap, path_return=x["ret"] + float(res.reward), logprobs=lps)
                 tree.append(node)
                 if node.parent >= 0:
                     tree[node.parent].children.append(node.id)
@@ -248,11 +255,13 @@ class TreeRollout(TurnRollout):
                                                      self.lam, self._roots[b])]
 
     def _rows(self, trees: list[list[Node]], G: int, eos: int) -> dict[str, Any]:
-        out: dict[str, Any] = {"prompt_ids": [], "completion_ids": [], "logprobs": None, "env_mask": [],
-                               "agentcredit_extras": []}
+        out: dict[str, Any] = {"prompt_ids": [], "completion_ids": [], "env_mask": [], "agentcredit_extras": [],
+                               "logprobs": [] if self._gen.gen.sampling_logprobs else None}
         out.update({k: [] for k in self.FIELDS})
 
-        def row(p, c, m, values, extras):
+        def row(p, c, m, values, extras, lps=None):
+            if out["logprobs"] is not None:
+                out["logprobs"].append(sampling_logprobs(lps, len(c)))
             out["prompt_ids"].append(p)
             out["completion_ids"].append(c)
             out["env_mask"].append(m)
@@ -271,58 +280,29 @@ class TreeRollout(TurnRollout):
                     (base + n.id, 0, n.state, n.action, reward, n.success, n.truncated, n.valid),
                     {"parent": base + n.parent if n.parent >= 0 else -1, "surprisal": n.surprisal,
                      "fresh": n.fresh, "sel_rank": n.sel_rank, "sel_ncand": n.sel_ncand, "selected": n.selected,
-                     **root})
+                     **root}, n.logprobs)
             for _ in range(G - len(tree)):
                 row([eos], [eos], [0], (-1, 0, 0, -1, 0.0, False, False, False), pad_extras)
         return out
 
 
 class _Generator:
-    """One batched turn for many envs: prompts, sampled completions and their surprisal (-mean log p)."""
+    """One batched turn for many envs through a generator (:mod:`agentcredit.trl.generation`): prompts, sampled
+    completions, their surprisal (-mean log p of the sampled tokens) and the generator's log-probs."""
 
-    def __init__(self, model, tokenizer, *, max_new_tokens, temperature, top_p, top_k, system, prompt,
-                 history_length, batch_size):
-        from transformers import GenerationConfig
-
-        self.model, self.tok = model, tokenizer
-        self.eos = _eos_ids(model, tokenizer)
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos[0]
-        self.temperature = temperature
+    def __init__(self, generator, tokenizer, params, *, system, prompt, history_length):
+        self.gen, self.tok, self.params = generator, tokenizer, params
         self.system, self.prompt, self.history_length = system, prompt, history_length
-        self.batch_size = batch_size
-        self.config = GenerationConfig(max_new_tokens=int(max_new_tokens), pad_token_id=self.pad,
-                                       eos_token_id=self.eos, stop_strings=["</action>"], use_cache=True,
-                                       do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k,
-                                       return_dict_in_generate=True, output_logits=True)
 
-    def turns(self, envs, observations) -> list[tuple[list[int], list[int], str, float]]:
-        texts = []
+    def turns(self, envs, observations) -> list[tuple[list[int], list[int], str, float, list[float]]]:
+        prompts = []
         for env, obs in zip(envs, observations):
             task, legal = getattr(env, "task", ""), legal_actions(env)
             user = (compact_prompt(task, obs, legal) if self.prompt == "compact"
                     else build_prompt(task, [], obs, legal, self.history_length))
-            texts.append(chat_text(self.tok, user, self.system))
-        prompts = [self.tok(x, add_special_tokens=False)["input_ids"] for x in texts]
-        out: list[Any] = [None] * len(prompts)
-        device = next(self.model.parameters()).device
-        for start in range(0, len(prompts), self.batch_size):
-            idx = list(range(start, min(len(prompts), start + self.batch_size)))
-            width = max(len(prompts[i]) for i in idx)
-            ids = torch.full((len(idx), width), self.pad, dtype=torch.long)
-            att = torch.zeros((len(idx), width), dtype=torch.long)
-            for r, i in enumerate(idx):
-                ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
-                att[r, width - len(prompts[i]):] = 1
-            gen = self.model.generate(input_ids=ids.to(device), attention_mask=att.to(device),
-                                      generation_config=self.config, tokenizer=self.tok)
-            logits = torch.stack(gen.logits, dim=1).float() / self.temperature  # [b, new, V]
-            logp = torch.log_softmax(logits, -1)
-            for r, i in enumerate(idx):
-                c_ids, text = _cut(self.tok, gen.sequences[r, width:].tolist(), set(self.eos), self.pad)
-                n = max(len(c_ids), 1)
-                tok_lp = logp[r, :len(c_ids)].gather(-1, torch.tensor(c_ids, device=logp.device).view(-1, 1))
-                surprisal = float(-tok_lp.sum() / n) if c_ids else 0.0
-                if not math.isfinite(surprisal):
-                    surprisal = 0.0
-                out[i] = (prompts[i], c_ids, ACTION_PREFIX + text, surprisal)
+            prompts.append(self.tok(chat_text(self.tok, user, self.system), add_special_tokens=False)["input_ids"])
+        out = []
+        for p_ids, (c_ids, text, lps) in zip(prompts, self.gen.generate(prompts, self.params)):
+            surprisal = -math.fsum(lps) / len(lps) if lps else 0.0
+            out.append((p_ids, c_ids, ACTION_PREFIX + text, surprisal if math.isfinite(surprisal) else 0.0, lps))
         return out
