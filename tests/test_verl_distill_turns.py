@@ -155,24 +155,53 @@ def _nested(ts):
     return torch.nested.as_nested_tensor(list(ts), layout=torch.jagged)
 
 
-def test_teacher_coverage_counts_rows_with_teacher_logprobs_on_their_response():
-    from tensordict import TensorDict
-
+def test_teacher_coverage_counts_the_rows_the_worker_flagged_without_reading_teacher_logprobs():
+    """The worker flags each row while the teacher's tensor is at hand (``teacher_scored``: finite, non-zero
+    log-probs on the response positions, verl's one-token shift); the trainer's metric reads the rows'
+    ``extra_fields`` only, never ``teacher_logprobs`` (gigabytes per step at top-k scale)."""
     prompts, responses = [3, 2, 4, 2], [2, 3, 2, 1]
-    teacher = [-torch.rand(p + r, 1) - 0.1 for p, r in zip(prompts, responses)]
-    teacher[1] = torch.zeros(prompts[1] + responses[1], 1)  # an unscored row: verl's 0.0 padding
-    td = TensorDict({"teacher_logprobs": _nested(teacher),
-                     "prompts": _nested(torch.ones(p, dtype=torch.long) for p in prompts),
-                     "responses": _nested(torch.ones(r, dtype=torch.long) for r in responses)},
-                    batch_size=[4])
+    teacher = [-torch.rand(p + r, 4) - 0.1 for p, r in zip(prompts, responses)]
+    teacher[1] = torch.zeros(prompts[1] + responses[1], 4)  # an unscored row: verl's 0.0 padding
+    teacher[2][prompts[2] - 1] = float("nan")                # a broken response position
+    outs = [AgentLoopOutput(prompt_ids=[1] * p, response_ids=[2] * r, response_mask=[1] * r, num_turns=2,
+                            metrics=AgentLoopMetrics(), extra_fields={"teacher_logprobs": t})
+            for p, r, t in zip(prompts, responses, teacher)]
+    assert [bridge.teacher_scored(o) for o in outs] == [True, False, False, True]
+    prompt_only = teacher[3].clone()
+    prompt_only[prompts[3] - 1:] = 0  # non-zero on the prompt only: not scored on its response
+    outs[3].extra_fields["teacher_logprobs"] = prompt_only
+    assert not bridge.teacher_scored(outs[3])
+
+    extra = [{bridge.SCORED_KEY: flag, "step_idx": i} for i, flag in enumerate([True, False, True, True])]
+    asked = []
 
     class TQ:
         def kv_batch_get(self, keys, partition_id, select_fields):
-            return td.select(*select_fields)
+            asked.append(list(select_fields))
+            return {"extra_fields": extra}
 
     batch = types.SimpleNamespace(keys=["a_0_0", "a_0_1", "b_0_0", "pad"], partition_id="train",
                                   tags=[{}, {}, {}, {"is_padding": True}])
     assert bridge.teacher_coverage(TQ(), batch) == {"teacher_rows": 2, "rows": 3}
+    assert asked == [["extra_fields"]]
+    extra[0] = {"step_idx": 0}  # a row stored without the worker's hook counts as unscored
+    assert bridge.teacher_coverage(TQ(), batch) == {"teacher_rows": 1, "rows": 3}
+
+
+def test_the_workers_teacher_call_flags_every_row():
+    w = _worker()
+    w._compute_teacher_logprobs = types.MethodType(
+        bridge.wrap_compute_teacher_logprobs(AgentLoopWorker._compute_teacher_logprobs), w)
+    outs = [_output(0), _output(1), _output(2)]
+    asyncio.run(bridge.score_earlier_outputs(w, outs, False, {}))
+    for o in outs[:-1]:
+        asyncio.run(w._compute_teacher_logprobs(o, prompt_ids=o.prompt_ids, response_ids=o.response_ids,
+                                                validate=False, sample_kwargs={}))
+    asyncio.run(w._compute_teacher_logprobs(outs[-1], prompt_ids=outs[-1].prompt_ids,
+                                            response_ids=outs[-1].response_ids, validate=True, sample_kwargs={}))
+    assert [o.extra_fields[bridge.SCORED_KEY] for o in outs] == [True, True, False]  # validation: no teacher
+    worker_cls = agent_loop_tq.AgentLoopWorkerTQ.__ray_metadata__.modified_class
+    assert _compat.is_wrapped(worker_cls._compute_teacher_logprobs, "distill_coverage")
 
 
 def test_verls_teacher_config_accepts_an_hfcpu_top_k_teacher_and_still_checks_the_others():

@@ -129,3 +129,93 @@ def test_ccm_scores_each_teacher_sequence_within_verls_token_budget(transfer_que
     assert all(len(p) + len(r) <= 6 for p, r in zip(prompts, responses))
     assert prompts == [CCM_TEACHER[-3:]] * 4 and len(ROWS) == 6
     assert metrics["agentcredit/ccm_teacher_prompts_capped"] == 3 and metrics["agentcredit/ccm_distill_rows"] == 3
+
+
+# ---- 2. OPD top-k losses: the same values and gradients, no float32 [tokens, vocab] tensor ------------------------
+def _reference_topk_token_losses(mode, student_logits, teacher_ids, teacher_logp, valid, params):
+    """The implementation before the chunked one (a full float32 log-softmax of every packed position)."""
+    from distill_plugins import losses as L
+
+    from agentcredit.verl.distill import _buckets
+
+    ids = torch.where(valid.unsqueeze(-1), teacher_ids.long(), torch.zeros((), dtype=torch.long))
+    if mode == "agentcredit_topk_reverse_kl":
+        return L.topk_reverse_kl(student_logits, mask=valid, k=None, teacher_ids=ids, teacher_logp=teacher_logp)
+    if mode == "agentcredit_top1_ce":
+        top1 = ids.gather(-1, teacher_logp.masked_fill(~valid.unsqueeze(-1), 0).argmax(-1, keepdim=True)).squeeze(-1)
+        return L.teacher_top1_ce(student_logits, mask=valid, teacher_top1=top1)
+    ls = torch.log_softmax(L._f(student_logits), dim=-1)
+    s_b = _buckets(ls.gather(-1, ids))
+    t_b = _buckets(L._f(teacher_logp.detach()).masked_fill(~valid.unsqueeze(-1), 0.0))
+    if mode == "agentcredit_reverse_kl":
+        return L.reverse_kl(s_b, t_b, valid)
+    return L.generalized_jsd(s_b, t_b, valid, beta=float(params["beta"]))
+
+
+def _topk_case(n=40, vocab=300, k=8, dtype=torch.float32, seed=0, duplicate=False):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(1, n, vocab, generator=g) * 3).to(dtype).requires_grad_(True)
+    teacher = torch.log_softmax(torch.randn(n, vocab, generator=g) * 3, -1)
+    top = teacher.topk(k, -1)
+    ids, logp = top.indices.unsqueeze(0), top.values.unsqueeze(0)
+    if duplicate:  # a repeated id in a precomputed support (E5 counts it once)
+        ids = ids.clone()
+        ids[0, :, -1] = ids[0, :, 0]
+    valid = torch.zeros(1, n, dtype=torch.bool)
+    valid[0, 5:17] = valid[0, 25:38] = True  # two sequences' response positions; the rest is prompt
+    return logits, ids, logp, valid
+
+
+@pytest.mark.parametrize("mode", ["agentcredit_reverse_kl", "agentcredit_gjsd", "agentcredit_topk_reverse_kl",
+                                  "agentcredit_top1_ce"])
+@pytest.mark.parametrize("duplicate", [False, True])
+def test_topk_losses_equal_the_full_vocabulary_implementation(monkeypatch, mode, duplicate):
+    from agentcredit.verl import distill
+
+    monkeypatch.setattr(distill, "TOPK_CHUNK_ELEMENTS", 300 * 5)  # 5 positions per chunk: several chunks
+    params = dict(distill.LOSS_PARAMS)
+    logits, ids, logp, valid = _topk_case(duplicate=duplicate)
+    got = distill.topk_token_losses(mode, logits, ids, logp, valid, params)
+    (g_got,) = torch.autograd.grad(got.sum(), logits)
+    want = _reference_topk_token_losses(mode, logits, ids, logp, valid, params)
+    (g_want,) = torch.autograd.grad(want.sum(), logits)
+    assert got.shape == want.shape == valid.shape and (got[~valid] == 0).all()
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(g_got, g_want, atol=2e-6, rtol=1e-5)
+    assert (g_got[~valid] == 0).all()  # prompt positions get no gradient
+
+
+class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the shape and dtype of every tensor an operator returns (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.seen.append((tuple(t.shape), t.dtype, t.numel()))
+        return out
+
+
+@pytest.mark.parametrize("mode", ["agentcredit_reverse_kl", "agentcredit_topk_reverse_kl", "agentcredit_top1_ce"])
+def test_topk_losses_never_materialise_a_float32_tokens_by_vocab_tensor(monkeypatch, mode):
+    """bf16 student logits of 40 packed positions (25 of them response tokens), vocabulary 300, chunks of 5
+    positions: no float32 tensor of more than 5 x 300 elements is created, forward or backward (the previous
+    implementation made [1, 40, 300] float32 copies for E2/E3 and [25, 300] for E5/E7)."""
+    from agentcredit.verl import distill
+
+    vocab, rows = 300, 5
+    monkeypatch.setattr(distill, "TOPK_CHUNK_ELEMENTS", vocab * rows)
+    logits, ids, logp, valid = _topk_case(vocab=vocab, dtype=torch.bfloat16)
+    params = dict(distill.LOSS_PARAMS)
+    for impl, ok in ((distill.topk_token_losses, True), (_reference_topk_token_losses, False)):
+        with _Allocations() as rec:
+            loss = impl(mode, logits, ids, logp, valid, params)
+            torch.autograd.grad(loss.sum(), logits)
+        big = max(n for _, dtype, n in rec.seen if dtype in (torch.float32, torch.float64))
+        assert (big <= rows * vocab) == ok, (impl.__name__, big)
+        # the gradient itself is the logits' dtype (bf16), as verl's own loss keeps it
+        assert any(shape == tuple(logits.shape) and dtype == torch.bfloat16 for shape, dtype, _ in rec.seen)

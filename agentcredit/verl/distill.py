@@ -31,7 +31,9 @@ patched on both the plain class and the class Ray actually instantiates (``Actor
 modified_class``, on which Ray sets its own tracing wrapper of every method); the wrap travels inside the class that
 Ray pickles for the agent-loop worker process. The trainer hook reports the coverage per step:
 ``agentcredit_distill/teacher_rows`` (rows whose response tokens carry teacher log-probs) and
-``agentcredit_distill/rows`` (non-padding rows of the batch).
+``agentcredit_distill/rows`` (non-padding rows of the batch); the worker's wrapped ``_compute_teacher_logprobs``
+flags each row (``extra_fields["agentcredit_teacher_scored"]``) while the teacher's tensor is at hand, so the
+trainer never reads the teacher log-probs back for the metric.
 
 Registered loss modes (``distillation.distillation_loss.loss_mode``), each returning verl's per-token
 ``[bsz, resp_len]`` loss multiplied by the scheduler's ``w_opd``:
@@ -248,33 +250,106 @@ def _buckets(logp_k: torch.Tensor) -> torch.Tensor:
     return torch.cat([logp_k, tail], dim=-1)
 
 
+#: float32 elements of one chunk of the top-k losses' student log-softmax (rows per chunk: this over the vocabulary)
+TOPK_CHUNK_ELEMENTS = 1 << 26
+
+
+class _SupportLogProbs(torch.autograd.Function):
+    """``log_softmax(logits[rows])`` at ``ids``, ``[N, K]`` float32 (float64 for float64 logits), computed over
+    chunks of ``chunk`` rows: never a float32 copy of ``logits[rows]`` ``[N, V]`` (verl's bf16 logits of a 16k-token
+    micro-batch at a 152k vocabulary are 5 GB, an fp32 copy 10 GB). Backward recomputes each chunk's softmax from
+    the saved logits and the per-row log-normaliser: ``d/dx = onehot(ids) g - softmax(x) sum(g)``."""
+
+    @staticmethod
+    def forward(ctx, logits, rows, ids, chunk):
+        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        out = torch.empty(ids.shape, dtype=dtype, device=logits.device)
+        lse = torch.empty(rows.shape[0], dtype=dtype, device=logits.device)
+        for a in range(0, rows.shape[0], chunk):
+            x = logits.index_select(0, rows[a:a + chunk]).to(dtype)
+            norm = torch.logsumexp(x, dim=-1)
+            out[a:a + chunk] = x.gather(-1, ids[a:a + chunk]) - norm.unsqueeze(-1)
+            lse[a:a + chunk] = norm
+            del x
+        ctx.save_for_backward(logits, rows, ids, lse)
+        ctx.chunk = chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, rows, ids, lse = ctx.saved_tensors
+        g_logits = torch.zeros_like(logits)
+        chunk = ctx.chunk
+        for a in range(0, rows.shape[0], chunk):
+            g = grad[a:a + chunk].to(lse.dtype)
+            x = logits.index_select(0, rows[a:a + chunk]).to(lse.dtype)
+            x.sub_(lse[a:a + chunk].unsqueeze(-1)).exp_().mul_(-g.sum(-1, keepdim=True))  # -softmax * sum(g)
+            x.scatter_add_(-1, ids[a:a + chunk], g)
+            g_logits.index_add_(0, rows[a:a + chunk], x.to(logits.dtype))
+            del x
+        return g_logits, None, None, None
+
+
+def support_logprobs(student_logits: torch.Tensor, valid: torch.Tensor, ids: torch.Tensor,
+                     chunk_elements: int | None = None) -> torch.Tensor:
+    """``[N, K]`` student log-probs (full-vocabulary ``log_softmax``) of ``ids`` ``[N, K]`` at the ``N`` positions
+    where ``valid`` ``[B, T]`` is True (row-major order), differentiable in ``student_logits`` ``[B, T, V]``; in
+    chunks of ``chunk_elements // V`` positions (:class:`_SupportLogProbs`), only over the valid positions."""
+    vocab = student_logits.shape[-1]
+    flat = student_logits.reshape(-1, vocab)
+    rows = valid.reshape(-1).nonzero().squeeze(-1)
+    chunk = max(1, int(chunk_elements or TOPK_CHUNK_ELEMENTS) // max(vocab, 1))
+    return _SupportLogProbs.apply(flat, rows, ids.long(), chunk)
+
+
+def _first_positions(ids: torch.Tensor) -> torch.Tensor:
+    """``[N, K]``: for each entry, the position of the first entry of its row with the same id."""
+    if not ids.numel():
+        return ids
+    return (ids.unsqueeze(-1) == ids.unsqueeze(-2)).int().argmax(-1)
+
+
 def topk_token_losses(mode: str, student_logits: torch.Tensor, teacher_ids: torch.Tensor,
                       teacher_logp: torch.Tensor, valid: torch.Tensor, params: Mapping[str, Any]) -> torch.Tensor:
     """``[B, N]`` per-token loss of a top-k mode (unweighted) from student logits ``[B, N, V]`` and the teacher's
-    top-K ``teacher_ids`` / ``teacher_logp`` ``[B, N, K]``; 0 where ``valid`` is False."""
+    top-K ``teacher_ids`` / ``teacher_logp`` ``[B, N, K]``; 0 where ``valid`` is False.
+
+    Only the ``valid`` (response) positions are computed, and the student's log-softmax is taken at the K teacher ids
+    only, in chunks (:func:`support_logprobs`): no float32 ``[positions, V]`` tensor, forward or backward. Every mode
+    needs no more: E2/E3 use the K+1 buckets, E5 renormalises the student on the K ids, E7 reads one of them."""
     if teacher_ids.shape != teacher_logp.shape or teacher_ids.shape[:2] != student_logits.shape[:2]:
         raise ValueError(f"{mode}: data['teacher_ids'] {tuple(teacher_ids.shape)} and data['teacher_logprobs'] "
                          f"{tuple(teacher_logp.shape)} must both be [B, N, K] over the student's "
                          f"{tuple(student_logits.shape[:2])} positions")
+    if mode not in TOPK_LOSSES:
+        raise ValueError(f"{mode} is not a top-k mode; top-k modes are {list(TOPK_LOSSES)}")
     vocab = student_logits.shape[-1]
+    valid = valid.bool()
     _check_teacher(teacher_logp, valid, "teacher_logprobs", mode)
     _check_ids(teacher_ids, valid, vocab, mode)
-    ids = torch.where(valid.unsqueeze(-1), teacher_ids.long(), torch.zeros((), dtype=torch.long,
-                                                                          device=teacher_ids.device))
+    ids = teacher_ids[valid].long()                                     # [N, K]
+    t_logp = L._f(teacher_logp[valid].detach())                         # [N, K]
+    lp_v = support_logprobs(student_logits, valid, ids)                 # [N, K], full-vocabulary student log-probs
+    every = torch.ones(1, ids.shape[0], dtype=torch.bool, device=ids.device)
     if mode == "agentcredit_topk_reverse_kl":
-        return L.topk_reverse_kl(student_logits, mask=valid, k=None, teacher_ids=ids, teacher_logp=teacher_logp)
-    if mode == "agentcredit_top1_ce":
-        top1 = ids.gather(-1, teacher_logp.masked_fill(~valid.unsqueeze(-1), 0).argmax(-1, keepdim=True)).squeeze(-1)
-        return L.teacher_top1_ce(student_logits, mask=valid, teacher_top1=top1)
-    # E2/E3 on the K+1 buckets "teacher top-K + rest", as log-probs (log_softmax of them is the identity)
-    ls = torch.log_softmax(L._f(student_logits), dim=-1)
-    s_b = _buckets(ls.gather(-1, ids))
-    t_b = _buckets(L._f(teacher_logp.detach()).masked_fill(~valid.unsqueeze(-1), 0.0))
-    if mode == "agentcredit_reverse_kl":
-        return L.reverse_kl(s_b, t_b, valid)
-    if mode == "agentcredit_gjsd":
-        return L.generalized_jsd(s_b, t_b, valid, beta=float(params["beta"]))
-    raise ValueError(f"{mode} is not a top-k mode; top-k modes are {list(TOPK_LOSSES)}")
+        # renormalised on the ids, so the full-vocabulary normaliser cancels; a repeated id is counted once (its first
+        # occurrence), as L.topk_reverse_kl does on the full logits
+        local = _first_positions(ids)
+        per = L.topk_reverse_kl(lp_v.unsqueeze(0), mask=every, k=None, teacher_ids=local.unsqueeze(0),
+                                teacher_logp=t_logp.unsqueeze(0))[0]
+    elif mode == "agentcredit_top1_ce":
+        target = lp_v.gather(-1, t_logp.argmax(-1, keepdim=True)).squeeze(-1)
+        L._check_support((target.detach() == -math.inf).unsqueeze(-1), "student_logits", "teacher_top1_ce",
+                         "is the teacher's top-1")
+        per = -target
+    else:  # E2/E3 on the K+1 buckets "teacher top-K + rest", as log-probs (log_softmax of them is the identity)
+        s_b, t_b = _buckets(lp_v).unsqueeze(0), _buckets(t_logp).unsqueeze(0)
+        if mode == "agentcredit_reverse_kl":
+            per = L.reverse_kl(s_b, t_b, every)[0]
+        else:
+            per = L.generalized_jsd(s_b, t_b, every, beta=float(params["beta"]))[0]
+    out = per.new_zeros(valid.shape)
+    return out.masked_scatter(valid, per) if per.numel() else out
 
 
 def response_positions(data, n_tokens: int, device) -> torch.Tensor:
@@ -501,37 +576,60 @@ def schedule_step(trainer, batch, metrics: dict, tq=None) -> dict[str, Any] | No
     return {STEP_KEY: step, W_OPD_KEY: float(out.w_opd), W_RL_KEY: float(out.w_rl), PARAMS_KEY: params}
 
 
+#: the per-row extra field the agent-loop worker sets when the teacher scored a row (:func:`teacher_scored`)
+SCORED_KEY = "agentcredit_teacher_scored"
+
+
+def teacher_scored(output, prompt_len: int | None = None, response_len: int | None = None) -> bool:
+    """Whether ``output``'s response tokens carry finite, non-zero teacher log-probs (``extra_fields
+    ["teacher_logprobs"]`` ``[S, K]``, verl's one-token shift: row ``j`` holds the log-prob(s) of token ``j + 1``);
+    verl pads a missing teacher with 0.0. Read in the agent-loop worker, where the tensor is at hand."""
+    t = (output.extra_fields or {}).get("teacher_logprobs")
+    if t is None:
+        return False
+    t = torch.as_tensor(t)
+    p = len(output.prompt_ids) if prompt_len is None else int(prompt_len)
+    r = len(output.response_ids) if response_len is None else int(response_len)
+    t = t[max(p - 1, 0): p - 1 + r]
+    return bool(t.numel()) and bool(torch.isfinite(t).all()) and bool((t != 0).any())
+
+
+@wraps_once("distill_coverage",
+            "AgentLoopWorker._compute_teacher_logprobs(self, output, prompt_ids, response_ids, validate, sample_kwargs)",
+            ("self", "output", "prompt_ids", "response_ids", "validate", "sample_kwargs"))
+def wrap_compute_teacher_logprobs(orig):
+    """``_compute_teacher_logprobs``: verl's code, then the row's :data:`SCORED_KEY` extra field (with distillation
+    on), so the trainer's coverage metric reads one bool per row instead of every row's teacher log-probs."""
+
+    async def _compute_teacher_logprobs(self, output, prompt_ids, response_ids, validate, sample_kwargs=None):
+        result = await orig(self, output, prompt_ids=prompt_ids, response_ids=response_ids, validate=validate,
+                            sample_kwargs=sample_kwargs)
+        if getattr(self, "distillation_enabled", False):
+            output.extra_fields[SCORED_KEY] = teacher_scored(output, len(prompt_ids), len(response_ids))
+        return result
+
+    return _compute_teacher_logprobs
+
+
 def teacher_coverage(tq, batch) -> dict[str, int]:
     """``{"teacher_rows", "rows"}`` of a v1 batch: non-padding rows whose response tokens carry finite, non-zero
-    teacher log-probs (verl pads a missing teacher with 0.0), and all non-padding rows."""
+    teacher log-probs (the :data:`SCORED_KEY` flag the agent-loop worker set, :func:`wrap_compute_teacher_logprobs`),
+    and all non-padding rows. Reads the rows' ``extra_fields`` only (what the credit bridge reads anyway), never the
+    teacher log-probs themselves (``[S, K]`` per row: gigabytes per step at top-k scale); rows without the flag
+    (written without the hook) count as unscored."""
     pad = [bool((t or {}).get("is_padding", False)) for t in batch.tags] if batch.tags is not None else None
     rows = len(batch.keys) - (sum(pad) if pad else 0)
     try:
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
-                               select_fields=["teacher_logprobs", "prompts", "responses"])
-        teacher, prompts, responses = data["teacher_logprobs"], data["prompts"], data["responses"]
+        extra = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
+                                select_fields=["extra_fields"])["extra_fields"]
+        extra = extra.tolist() if hasattr(extra, "tolist") else list(extra)
     except Exception as e:  # noqa: BLE001  (a metric never stops the step; bad teacher data fails in the loss)
-        _warn_once("coverage", "agentcredit: could not read the teacher log-probs of the batch for "
+        _warn_once("coverage", "agentcredit: could not read the rows' extra_fields for "
                    "agentcredit_distill/teacher_rows: %r", e)
         return {"teacher_rows": 0, "rows": rows}
-    per_row = teacher.unbind() if getattr(teacher, "is_nested", False) else list(teacher)
-    p_len = _lengths(prompts)
-    r_len = _lengths(responses)
-    scored = 0
-    for i, t in enumerate(per_row):
-        if pad and pad[i]:
-            continue
-        # verl's one-token shift: position j holds the log-prob(s) of token j + 1
-        t = t[p_len[i] - 1: p_len[i] - 1 + r_len[i]]
-        if t.numel() and bool(torch.isfinite(t).all()) and bool((t != 0).any()):
-            scored += 1
+    scored = sum(1 for i, e in enumerate(extra)
+                 if not (pad and pad[i]) and isinstance(e, Mapping) and bool(e.get(SCORED_KEY, False)))
     return {"teacher_rows": scored, "rows": rows}
-
-
-def _lengths(x) -> list[int]:
-    if getattr(x, "is_nested", False):
-        return [int(n) for n in x.offsets().diff()]
-    return [int(n) for n in x.shape[1:2]] * x.shape[0]
 
 
 # ---- every output of a multi-output agent loop goes to the teacher (see the module doc) -----------------------------
@@ -574,6 +672,8 @@ def _patch_agent_loop_tq(module) -> None:
     for cls in classes:
         if name in cls.__dict__:
             setattr(cls, name, wrap_agent_loop_postprocess(cls.__dict__[name]))
+    for cls in classes:  # the coverage flag of each row (teacher_coverage)
+        setattr(cls, "_compute_teacher_logprobs", wrap_compute_teacher_logprobs(cls._compute_teacher_logprobs))
     from .guided import wrap_run_agent_loop  # Guided-OPD: the session's teacher, for the agent loop
 
     for cls in classes:
