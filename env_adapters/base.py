@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -125,12 +125,19 @@ class EnvSpec:
         return {n: p.default for n, p in params.items()
                 if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and n != "self"}
 
-    def __call__(self, **options: Any):
+    def check(self, options: Mapping[str, Any]) -> None:
+        """A ``ValueError`` naming the unknown options (and the valid ones), before anything is built."""
+        params = inspect.signature(self.factory).parameters.values()
+        if any(p.kind is p.VAR_KEYWORD for p in params):  # a factory that takes **options checks them itself
+            return
         valid = self.options()
         unknown = sorted(set(options) - set(valid))
         if unknown:
             raise ValueError(f"unknown option(s) {unknown} for environment {self.name!r}; valid options: "
                              f"{sorted(valid)}")
+
+    def __call__(self, **options: Any):
+        self.check(options)
         return self.factory(**options)
 
     def describe(self) -> str:

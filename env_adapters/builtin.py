@@ -8,6 +8,7 @@ from credit_plugins.hookspecs import hookimpl
 
 from .alfworld import AlfWorldAdapter
 from .base import EnvSpec
+from .faulty import FaultyEnv
 from .gymnasium_text import GymnasiumTextAdapter
 from .minigrid import MiniGridAdapter
 from .scienceworld import ScienceWorldAdapter
@@ -40,6 +41,8 @@ BUILTIN = (
                                           "(package bm25s)"),
     EnvSpec("gymnasium_text", GymnasiumTextAdapter, "any Gymnasium env as text with an action parser (default: "
                                                     "FrozenLake as a text grid) (package gymnasium)"),
+    EnvSpec("faulty", FaultyEnv, "any registered env with injected step latency and faults (raise, hang or exit "
+                                 "at a turn), to test and measure fault containment (no package)"),
 )
 
 

@@ -671,3 +671,126 @@ def test_guided_schedule_is_checked_in_the_trainer_before_any_rollout(params, di
             guided.check_config(config)
     config.algorithm.agentcredit_distill = {"schedule": "opw", "params": {}}
     guided.check_config(config)  # other schedules: nothing to check
+
+
+# ---- env faults and concurrency (env_adapters.executor) ----------------------------------------------------------
+def _faulty_fields(seed, faults, max_steps=3):
+    return dict(env_name="faulty", seed=seed, extra_info={"max_steps": max_steps},
+                env_options={"env": "minigrid", "env_options": dict(ENV_OPTIONS), "faults": faults, "hang_s": 3.0})
+
+
+def test_env_faults_are_contained_marked_and_counted_and_a_limit_stops_the_step(transfer_queue, model_and_tokenizer):
+    """Three groups of the ``faulty`` MiniGrid: one whose env raises at turn 1 (the episodes keep their turn-0 rows,
+    end truncated and failed, marked ``env_error``), one whose env raises at its first step (a masked-out placeholder
+    row each, dropped like padding) and a clean one whose rows are those of a plain run. The bridge counts the
+    faulted episodes; over ``algorithm.agentcredit_max_env_error_rate`` the step stops with the env, seed and
+    traceback."""
+    model, tok = model_and_tokenizer
+    faults = {3: "raise@1", 5: "raise@0"}
+    config = _config()
+    script = ["turn left", "turn right", "turn left"]
+    groups = {"late": 3, "early": 5, "clean": 4}
+    for uid, seed in groups.items():
+        _rollout_group(config, [HFServer(model, tok, script) for _ in range(2)], tok, uid=uid,
+                       **_faulty_fields(seed, faults))
+    _rollout_group(config, [HFServer(model, tok, script) for _ in range(2)], tok, uid="plain",
+                   env_name="minigrid", env_options=dict(ENV_OPTIONS), seed=4, extra_info={"max_steps": 3})
+    rows = {uid: _rows(transfer_queue, uid, 2) for uid in (*groups, "plain")}
+
+    for steps in rows["late"].values():
+        assert len(steps) == 1  # turn 0 played; turn 1's step raised
+        e = steps[0]["extra"]
+        assert e["env_error"] == "error" and "InjectedFault" in e["env_error_detail"] and "seed=3" in e["env_error_detail"]
+        assert e["truncated"] and not e["success"] and not e["env_fault_row"]
+        assert int(steps[0]["response_mask"].sum()) > 0 and e["action_key"] == "turn left"
+    for steps in rows["early"].values():
+        assert len(steps) == 1 and steps[0]["extra"]["env_fault_row"] and steps[0]["extra"]["env_error"] == "error"
+        assert int(steps[0]["response_mask"].sum()) == 0  # nothing of it is trained
+    for s in (0, 1):  # the clean group is exactly a plain run of the same seed and script
+        clean, plain = rows["clean"][s], rows["plain"][s]
+        assert len(clean) == 3 and all(r["extra"]["env_error"] == "" for r in clean)
+        assert [r["extra"]["anchor_key"] for r in clean] == [r["extra"]["anchor_key"] for r in plain]
+        assert [r["extra"]["step_reward"] for r in clean] == [r["extra"]["step_reward"] for r in plain]
+
+    keys = [k for uid in groups for k in _keys(rows[uid])]
+    tags = [{"status": "success"}] * len(keys)
+    config.algorithm.agentcredit_max_env_error_rate = 1.0
+    adv, metrics = _run_advantage(transfer_queue, keys, tags, config)
+    assert metrics["agentcredit/env_errors"] == 4 and metrics["agentcredit/env_timeouts"] == 0
+    assert metrics["agentcredit/env_error_rate"] == pytest.approx(4 / 6)
+    assert metrics["agentcredit/env_fault_rows"] == 2 and metrics["agentcredit/padding_rows"] == 0
+    assert metrics["agentcredit/trajectories"] == 4 and metrics["agentcredit/steps"] == 2 + 6
+    placeholder = [i for i, k in enumerate(keys) if k.startswith("early_")]
+    assert all(torch.all(adv[i] == 0) for i in placeholder)
+
+    config.algorithm.agentcredit_max_env_error_rate = 0.5
+    with pytest.raises(RuntimeError, match=r"4 of 6 episodes .* env 'faulty' seed=(3|5).*InjectedFault"):
+        _run_advantage(transfer_queue, keys, tags, config)
+
+
+def test_a_hanging_env_ends_its_episode_as_a_timeout(transfer_queue, model_and_tokenizer, tmp_path):
+    """``env_timeout_s`` from the agent-loop config file: a step that hangs ends its episode as ``timeout``; the
+    loop goes on with the next session (the barrier test below shows the sessions do not wait for each other)."""
+    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+
+    model, tok = model_and_tokenizer
+    path = tmp_path / "agent_loops.yaml"
+    path.write_text("- name: faulty_timeout\n  _target_: agentcredit.verl.agent_loop.EnvAgentLoop\n"
+                    "  env_name: faulty\n  env_timeout_s: 0.5\n  env_workers: 8\n")
+    for cfg in OmegaConf.load(path):
+        _agent_loop_registry[cfg.name] = cfg
+    servers = [HFServer(model, tok, ["turn left"] * 3) for _ in range(2)]
+    try:
+        _rollout_group(_config(), servers, tok, uid="hang", agent_name="faulty_timeout",
+                       **_faulty_fields(3, {3: "hang@1"}))
+    finally:
+        _agent_loop_registry.pop("faulty_timeout", None)
+    rows = _rows(transfer_queue, "hang", 2)
+    for steps in rows.values():
+        assert len(steps) == 1 and steps[0]["extra"]["env_error"] == "timeout"
+        assert "env_timeout_s=0.5" in steps[0]["extra"]["env_error_detail"]
+
+
+class _BarrierMiniGrid:
+    """MiniGrid whose steps return only when two steps are in flight at once (see the test below)."""
+
+    barrier = None
+
+    def __init__(self, **options):
+        self.inner = env_adapters.make("minigrid", **options)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def step(self, action_text):
+        type(self).barrier.wait()
+        return self.inner.step(action_text)
+
+
+def test_the_sessions_of_a_worker_step_their_envs_at_once(transfer_queue, model_and_tokenizer):
+    """Two sessions on verl's event loop, each env step waiting for the other session's step: both episodes finish
+    only when env calls run off the loop (a step called on the loop blocks it, the other session never reaches its
+    step, and the barrier breaks)."""
+    import threading
+
+    from credit_plugins import registry
+    from credit_plugins.hookspecs import hookimpl
+    from env_adapters.base import EnvSpec
+
+    class Plugin:
+        @hookimpl
+        def agentcredit_envs(self):
+            return [EnvSpec("barrier_minigrid", _BarrierMiniGrid, "test: steps meet at a barrier")]
+
+    _BarrierMiniGrid.barrier = threading.Barrier(2, timeout=60)
+    name = registry.register_plugin(Plugin(), "agentcredit-test-barrier-minigrid")
+    try:
+        model, tok = model_and_tokenizer
+        servers = [HFServer(model, tok, ["turn left"] * 2) for _ in range(2)]
+        _rollout_group(_config(), servers, tok, uid="barrier", env_name="barrier_minigrid",
+                       env_options=dict(ENV_OPTIONS), seed=SEED, extra_info={"max_steps": 2})
+        rows = _rows(transfer_queue, "barrier", 2)
+        assert [len(rows[s]) for s in (0, 1)] == [2, 2]
+        assert all(r["extra"]["env_error"] == "" for s in rows for r in rows[s])
+    finally:
+        registry.unregister_plugin(name)

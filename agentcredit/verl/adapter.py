@@ -150,7 +150,7 @@ def make_verl_estimator(estimator: Estimator):
         meta.stats.update({
             "agentcredit/steps": float(steps.n_steps),
             "agentcredit/trajectories": float(steps.n_traj),
-            "agentcredit/padding_rows": float(meta.is_padding.sum()),
+            "agentcredit/padding_rows": float(meta.batch_padding.sum()),
             "agentcredit/adv_mean": float((values * weight).sum()) / total if total else 0.0,
             "agentcredit/adv_abs_mean": float((values.abs() * weight).sum()) / total if total else 0.0,
         })

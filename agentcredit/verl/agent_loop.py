@@ -91,20 +91,22 @@ teacher log-probs for a loop's final output only; :mod:`agentcredit.verl.distill
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from uuid import uuid4
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 from verl.utils.profiler import simple_timer
 
-import env_adapters
-
+from credit_plugins import registry
 from credit_plugins.estimators.mvpo import default_signature
-from env_adapters.descriptors import DESCRIPTOR, step_descriptor
+from credit_plugins.hashing import stable_hash
+from env_adapters import turns
+from env_adapters.executor import EnvFault, shared_executor
 from env_adapters.memory_context import ACTION_OPEN, MEMORY_OPEN, MemoryTrack, action_start
 from env_adapters.prompting import build_prompt, parse_action
 
+from .contract import ENV_ERROR, ENV_ERROR_DETAIL, FAULT_ROW
 from .guided import turn_guide
 
 __all__ = ["EnvAgentLoop", "AGENT_NAME", "SAMPLE_FIELDS"]
@@ -146,6 +148,12 @@ def _policy_versions(steps: list[dict[str, Any]], kwargs: Mapping[str, Any]) -> 
     return {"min_global_steps": min(lo) if lo else step, "max_global_steps": max(hi) if hi else step}
 
 
+def fault_fields(fault: EnvFault | None) -> dict[str, str]:
+    """The ``env_error`` / ``env_error_detail`` fields of a row: the fault's kind and its summary and traceback ("" and
+    "" without a fault)."""
+    return {ENV_ERROR: fault.kind if fault else "", ENV_ERROR_DETAIL: f"{fault.summary()}\n{fault.detail}" if fault else ""}
+
+
 def _plain(value: Any) -> Any:
     """numpy scalars and 0-d tensors (what verl's batches hand over) as Python values."""
     item = getattr(value, "item", None)
@@ -173,7 +181,9 @@ class EnvAgentLoop(AgentLoopBase):
 
     def __init__(self, *args, env_name: str = "minigrid", env_options: Mapping[str, Any] | None = None,
                  max_steps: int = 8, history_length: int = 2, descriptors: bool = False, context: str = "transcript",
-                 **kwargs):
+                 env_backend: str = "thread", env_workers: int = 128, env_timeout_s: float | None = 120.0,
+                 env_start_timeout_s: float | None = 600.0, env_reuse: bool = True,
+                 env_backend_options: Mapping[str, Any] | None = None, **kwargs):
         if context not in self.CONTEXTS:
             raise ValueError(f"context={context!r}; use one of {list(self.CONTEXTS)} (memory: CCM's short memory "
                              f"instead of the transcript)")
@@ -189,9 +199,14 @@ class EnvAgentLoop(AgentLoopBase):
             raise ValueError(f"max_steps={self.max_steps}; an episode needs at least one step")
         self.context = context
         self.response_length = self.rollout_config.response_length
+        if env_backend == "ray":
+            from . import env_actors  # noqa: F401  (registers the ray backend)
+        self.envs = shared_executor(backend=str(env_backend), workers=int(env_workers), timeout_s=env_timeout_s,
+                                    start_timeout_s=env_start_timeout_s, reuse=bool(env_reuse),
+                                    backend_options=dict(env_backend_options or {}))
 
-    def make_env(self, kwargs: Mapping[str, Any]):
-        """The environment of one sample: ``env_adapters.make(env_name, **{**loop options, **env_options})``."""
+    def env_spec(self, kwargs: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        """The environment of one sample: ``(env_name, {**loop options, **env_options})``."""
         name = str(_plain(_sample_field(kwargs, "env_name", self.env_name)))
         options = dict(self.env_options)
         sample_options = _sample_field(kwargs, "env_options", None)
@@ -199,7 +214,9 @@ class EnvAgentLoop(AgentLoopBase):
             if not isinstance(sample_options, Mapping):
                 raise TypeError(f"dataset field env_options must be a dict, got {type(sample_options).__name__}")
             options.update({k: _plain(v) for k, v in sample_options.items() if v is not None})
-        return env_adapters.make(name, **options)
+        # a configuration error fails the session loudly here; only what the env does later is a contained fault
+        registry.get(name, kind="envs").check(options)
+        return name, options
 
     async def _generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
                         priority: int = 0, server=None):
@@ -217,10 +234,11 @@ class EnvAgentLoop(AgentLoopBase):
             priority=priority,
         )
 
-    def step_extras(self, env, action_text: str | None) -> dict[str, Any]:
-        """Extra ``extra_fields`` of one step, computed at the decision state before the env acts (none here;
-        ``agentcredit.verl.search_loops.CounterfactualAgentLoop`` adds ASCT's decision table)."""
-        return {}
+    def step_extras(self) -> tuple[Callable, tuple] | None:
+        """``(fn, args)``: extra ``extra_fields`` of each step, ``fn(env, action_text, *args)``, computed where the env
+        lives at the decision state before it acts (None here; ``agentcredit.verl.search_loops.CounterfactualAgentLoop``
+        adds ASCT's decision table). ``fn`` must be picklable (module level) for the process and ray backends."""
+        return None
 
     def _filler_token(self) -> int:
         for tid in (self.tokenizer.eos_token_id, self.tokenizer.pad_token_id):
@@ -228,101 +246,140 @@ class EnvAgentLoop(AgentLoopBase):
                 return tid
         return 0
 
+    def session_request(self, sampling_params: dict[str, Any], priority: int,
+                        kwargs: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        """The request id of one session's turns and its sampling params. One id per episode, as ``ToolAgentLoop``
+        does (a sticky server: the turns share the task prefix). With ``full_determinism`` the id and a per-request
+        ``seed`` come from the dataset row, the session and the step (verl's server otherwise gives every request of
+        a replica the same seed, so a group's sessions would come out identical), so a rerun samples alike."""
+        if not getattr(self.rollout_config, "full_determinism", False):
+            return uuid4().hex, sampling_params
+        row = _sample_field(kwargs, "index", kwargs.get("uid"))
+        session = f"{_plain(row)}|{kwargs.get('session_id')}|{kwargs.get('global_steps')}|{int(priority)}"
+        seed = stable_hash(f"agentcredit-session|{session}") % (2**31 - 1)
+        return f"det-{seed}", dict(sampling_params, seed=seed)
+
+    async def _fault_row(self, system: list[dict], name: str, fault: EnvFault, logprobs: bool) -> dict[str, Any]:
+        """The one row of an episode whose env failed before its first turn: a masked-out placeholder (no token is
+        trained; the credit bridge drops it like padding), so the session still returns an output and the fault
+        reaches the step metrics instead of silently shrinking the group."""
+        prompt_ids = await self.ct_build_initial_tokens(system + [{"role": "user", "content": (
+            f"(the {name} environment failed before the first turn: {fault.kind})")}])
+        anchor = f"env_error|{name}"
+        return dict(prompt_ids=prompt_ids, response_ids=[self._filler_token()], response_mask=[0],
+                    response_logprobs=[0.0] if logprobs else None, metrics={}, server_extra={},
+                    extra={"step_idx": 0, "anchor_key": anchor, "action_key": None, "step_reward": 0.0,
+                           "valid": False, "by_teacher": False, "signature": step_signature(anchor, 0),
+                           FAULT_ROW: True})
+
     async def run(self, sampling_params: dict[str, Any], priority: int = 0, **kwargs) -> list[AgentLoopOutput]:
-        env = self.make_env(kwargs)
+        name, options = self.env_spec(kwargs)
         seed = _plain(_sample_field(kwargs, "seed", None))
+        seed = None if seed is None else int(seed)
         max_steps = int(_plain(_sample_field(kwargs, "max_steps", self.max_steps)))
         system = [dict(m) for m in (kwargs.get("raw_prompt") or []) if isinstance(m, Mapping)
                   and m.get("role") == "system"]
-        legal = getattr(env, "legal_actions", None)
-        # one request id per episode, as ToolAgentLoop does (sticky server: the turns share the task prefix)
-        full_determinism = getattr(self.rollout_config, "full_determinism", False)
-        request_id = f"det-{int(priority)}" if full_determinism else uuid4().hex
-
-        observation = env.reset(None if seed is None else int(seed))
-        history: list[tuple[str, str | None]] = []
+        request_id, sampling_params = self.session_request(sampling_params, priority, kwargs)
+        extras = self.step_extras()
         steps: list[dict[str, Any]] = []
         done = success = False
-        track = MemoryTrack(task=getattr(env, "task", "")) if self.context == "memory" else None
+        fault: EnvFault | None = None
         guide = turn_guide(self.config, kwargs)  # Guided-OPD (agentcredit.verl.guided), else None
-        for t in range(max_steps):
-            anchor = env.state_key()
-            actions = legal() if legal is not None else None
-            ccm: dict[str, Any] = {}
-            if track is None:
-                user = build_prompt(getattr(env, "task", ""), history, observation, actions, self.history_length)
-                prompt_ids = await self.ct_build_initial_tokens(system + [{"role": "user", "content": user}])
-            else:  # CCM: task + memory + newest observation, the reply pre-filled with "<memory>"
-                prefill = self.tokenizer.encode(MEMORY_OPEN, add_special_tokens=False)
-                prompt_ids = self._cap_text_prompt_length(await self.ct_build_initial_tokens(
-                    system + [{"role": "user", "content": track.student_prompt(observation, actions)}]) + prefill)
-                full = self.tokenizer.apply_chat_template(  # never sent to the rollout (and never capped)
-                    system + [{"role": "user", "content": track.teacher_prompt(observation, actions)}],
-                    add_generation_prompt=True, tokenize=False, **dict(self.apply_chat_template_kwargs or {}))
-                teacher_ids = self.tokenizer.encode(full + ACTION_OPEN, add_special_tokens=False)
-                ccm = {"prompt_tokens": len(prompt_ids),
-                       "full_prompt_tokens": len(self.tokenizer.encode(full, add_special_tokens=False)) + len(prefill),
-                       "ccm_teacher_prompt_ids": teacher_ids}
-            metrics: dict[str, Any] = {}
-            by_teacher = guide is not None and guide.teacher_turn()  # Guided-OPD: the teacher writes this turn
-            with simple_timer("generate_sequences", metrics):
-                if by_teacher:
-                    out = await self._generate(prompt_ids, sampling_params, uuid4().hex, int(priority),
-                                               server=guide.client)
-                else:
-                    out = await self._generate(prompt_ids, sampling_params, request_id, int(priority))
-            metrics["num_preempted"] = out.num_preempted if out.num_preempted is not None else -1
-            merge, response_mask, response_logprobs = await self.ct_merge_assistant_token(
-                prompt_ids, out.token_ids, [], [] if out.log_probs else None,
-                assistant_logprobs=out.log_probs if out.log_probs else None)
-            if by_teacher:  # guidance, not a training target: none of its tokens is trained
-                response_mask = [0] * len(response_mask)
-            response_ids = merge.token_ids[-len(response_mask):] if response_mask else []
-            prompt_ids = merge.token_ids[: len(merge.token_ids) - len(response_mask)]
-            if not response_ids:  # an empty generation: one masked-out token, so verl's rm_scores[-1] exists
-                response_ids, response_mask = [self._filler_token()], [0]
-                response_logprobs = [0.0] if response_logprobs is not None else None
-            # the action is parsed from what is trained on: the first response_length generated tokens
-            text = self.tokenizer.decode(out.token_ids[: self.response_length], skip_special_tokens=True)
-            if track is not None:
-                text = MEMORY_OPEN + text
+        handle = None
+        try:
+            # every env call runs on the env executor (thread pool / process / actor), never on this event loop
+            handle = await self.envs.acquire(name, options)
+            observation, task = await handle.apply(turns.start, seed)
+            history: list[tuple[str, str | None]] = []
+            track = MemoryTrack(task=task) if self.context == "memory" else None
+            for t in range(max_steps):
+                anchor, actions = await handle.apply(turns.observe)
+                ccm: dict[str, Any] = {}
+                if track is None:
+                    user = build_prompt(task, history, observation, actions, self.history_length)
+                    prompt_ids = await self.ct_build_initial_tokens(system + [{"role": "user", "content": user}])
+                else:  # CCM: task + memory + newest observation, the reply pre-filled with "<memory>"
+                    prefill = self.tokenizer.encode(MEMORY_OPEN, add_special_tokens=False)
+                    prompt_ids = self._cap_text_prompt_length(await self.ct_build_initial_tokens(
+                        system + [{"role": "user", "content": track.student_prompt(observation, actions)}]) + prefill)
+                    full = self.tokenizer.apply_chat_template(  # never sent to the rollout (and never capped)
+                        system + [{"role": "user", "content": track.teacher_prompt(observation, actions)}],
+                        add_generation_prompt=True, tokenize=False, **dict(self.apply_chat_template_kwargs or {}))
+                    teacher_ids = self.tokenizer.encode(full + ACTION_OPEN, add_special_tokens=False)
+                    ccm = {"prompt_tokens": len(prompt_ids),
+                           "full_prompt_tokens": len(self.tokenizer.encode(full, add_special_tokens=False))
+                           + len(prefill), "ccm_teacher_prompt_ids": teacher_ids}
+                metrics: dict[str, Any] = {}
+                by_teacher = guide is not None and guide.teacher_turn()  # Guided-OPD: the teacher writes this turn
+                with simple_timer("generate_sequences", metrics):
+                    if by_teacher:
+                        out = await self._generate(prompt_ids, sampling_params, uuid4().hex, int(priority),
+                                                   server=guide.client)
+                    else:
+                        out = await self._generate(prompt_ids, sampling_params, request_id, int(priority))
+                metrics["num_preempted"] = out.num_preempted if out.num_preempted is not None else -1
+                merge, response_mask, response_logprobs = await self.ct_merge_assistant_token(
+                    prompt_ids, out.token_ids, [], [] if out.log_probs else None,
+                    assistant_logprobs=out.log_probs if out.log_probs else None)
+                if by_teacher:  # guidance, not a training target: none of its tokens is trained
+                    response_mask = [0] * len(response_mask)
+                response_ids = merge.token_ids[-len(response_mask):] if response_mask else []
+                prompt_ids = merge.token_ids[: len(merge.token_ids) - len(response_mask)]
+                if not response_ids:  # an empty generation: one masked-out token, so verl's rm_scores[-1] exists
+                    response_ids, response_mask = [self._filler_token()], [0]
+                    response_logprobs = [0.0] if response_logprobs is not None else None
+                # the action is parsed from what is trained on: the first response_length generated tokens
+                text = self.tokenizer.decode(out.token_ids[: self.response_length], skip_special_tokens=True)
+                if track is not None:
+                    text = MEMORY_OPEN + text
 
-            action_text = parse_action(text)
-            action_key = env.action_key(action_text) if action_text is not None else None
-            more = self.step_extras(env, action_text)
-            if self.descriptors:
-                more[DESCRIPTOR] = step_descriptor(env, action_key)
-            penalty = 0.0
-            if track is not None:  # the memory is updated before the env acts on the observation it was given
-                turn = track.step(observation, text, action_key)
-                penalty = turn.penalty
-                start = (action_start(self.tokenizer, response_ids[: self.response_length])
-                         if action_key is not None and not turn.malformed else -1)
-                more.update(ccm, memory_malformed=turn.malformed, ccm_action_start=start)
-            result = env.step(action_text)
-            steps.append(dict(
-                prompt_ids=prompt_ids, response_ids=response_ids[: self.response_length],
-                response_mask=response_mask[: self.response_length],
-                response_logprobs=response_logprobs[: self.response_length] if response_logprobs else None,
-                metrics=metrics, server_extra=dict(out.extra_fields or {}),
-                extra={"step_idx": t, "anchor_key": anchor, "action_key": action_key,
-                       "step_reward": float(result.reward) + penalty, "valid": action_key is not None,
-                       "by_teacher": by_teacher,
-                       "signature": step_signature(anchor, t), **more}))
-            history.append((observation, action_key))
-            observation = result.observation
-            if result.done:
-                done, success = True, bool(result.success)
-                break
+                action_text = parse_action(text)
+                # one round trip: the canonical action, the decision-state extras, then the step
+                turn = await handle.apply(turns.act, action_text, *(extras or (None, ())),
+                                          descriptors=self.descriptors)
+                action_key, more, result = turn.action_key, dict(turn.extras), turn.result
+                penalty = 0.0
+                if track is not None:  # the memory is updated from the observation it was given
+                    mem = track.step(observation, text, action_key)
+                    penalty = mem.penalty
+                    start = (action_start(self.tokenizer, response_ids[: self.response_length])
+                             if action_key is not None and not mem.malformed else -1)
+                    more.update(ccm, memory_malformed=mem.malformed, ccm_action_start=start)
+                steps.append(dict(
+                    prompt_ids=prompt_ids, response_ids=response_ids[: self.response_length],
+                    response_mask=response_mask[: self.response_length],
+                    response_logprobs=response_logprobs[: self.response_length] if response_logprobs else None,
+                    metrics=metrics, server_extra=dict(out.extra_fields or {}),
+                    extra={"step_idx": t, "anchor_key": anchor, "action_key": action_key,
+                           "step_reward": float(result.reward) + penalty, "valid": action_key is not None,
+                           "by_teacher": by_teacher, "signature": step_signature(anchor, t), FAULT_ROW: False,
+                           **more}))
+                history.append((observation, action_key))
+                observation = result.observation
+                if result.done:
+                    done, success = True, bool(result.success)
+                    break
+        except EnvFault as exc:  # contained: the episode ends truncated and failed, with the turns it played
+            fault, exc.seed = exc, seed
+            if not steps:
+                steps.append(await self._fault_row(system, name, fault, bool(sampling_params.get("logprobs"))))
+        finally:
+            if handle is not None:
+                self.envs.release(handle)
+        return self._outputs(steps, done, success, fault, kwargs)
 
+    def _outputs(self, steps: list[dict[str, Any]], done: bool, success: bool, fault: EnvFault | None,
+                 kwargs: Mapping[str, Any]) -> list[AgentLoopOutput]:
+        """One ``AgentLoopOutput`` per step, with the episode-level fields on every row (see the module doc)."""
         episode_return = float(sum(s["extra"]["step_reward"] for s in steps))
         reward_extra_info = {"success": float(success), "episode_return": episode_return,
                              "episode_steps": len(steps)}
+        error = fault_fields(fault)
         outputs = []
         versions = _policy_versions(steps, kwargs)
         for i, s in enumerate(steps):
             extra = dict(s["extra"], success=success, truncated=not done,
-                         reward_extra_info=dict(reward_extra_info))
+                         reward_extra_info=dict(reward_extra_info), **error)
             extra.update(versions if s["extra"].get("by_teacher") else
                          {k: s["server_extra"].get(k) for k in _SERVER_KEYS})
             last = i == len(steps) - 1

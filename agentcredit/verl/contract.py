@@ -39,6 +39,10 @@ from credit_plugins.steptable import StepTable, list_block
 STEP_IDX, ANCHOR, ACTION, STEP_REWARD, SUCCESS, TRUNCATED, TRAJ = (
     "step_idx", "anchor_key", "action_key", "step_reward", "success", "truncated", "traj_uid")
 CONTRACT_KEYS = (STEP_IDX, ANCHOR, ACTION, STEP_REWARD, SUCCESS, TRUNCATED, TRAJ)
+#: env faults (agentcredit.verl.agent_loop): the episode's fault kind ("" none; "error", "timeout", "dead") and its
+#: traceback on every row of the episode; ``env_fault_row`` marks the masked-out placeholder row of an episode whose
+#: env failed before its first turn, which is dropped like padding (advantage 0, never in the StepTable)
+ENV_ERROR, ENV_ERROR_DETAIL, FAULT_ROW = "env_error", "env_error_detail", "env_fault_row"
 # StepTable fields an estimator may require, and the extra_fields key that carries each
 FIELD_TO_KEY = {"state": ANCHOR, "action": ACTION, "success": SUCCESS, "truncated": TRUNCATED}
 
@@ -53,16 +57,26 @@ class RowMeta:
     stats: dict[str, float] = field(default_factory=dict)
     #: per batch row, an amount added to the advantage of each response token (CCM's distillation term), or None
     token_bonus: list[np.ndarray] | None = None
+    #: per batch row, an env-fault placeholder (``env_fault_row``; also in ``is_padding``), or None when none is
+    fault_rows: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.is_padding)
+
+    @property
+    def batch_padding(self) -> np.ndarray:
+        """The rows verl's batch balancing added (``is_padding`` without the env-fault placeholders)."""
+        return self.is_padding if self.fault_rows is None else self.is_padding & ~self.fault_rows
 
     @classmethod
     def from_v1(cls, keys: Sequence[str], tags: Sequence[Mapping[str, Any]] | None,
                 extra_fields: Sequence[Mapping[str, Any] | None]) -> RowMeta:
         """From TransferQueue keys ``{uid}_{session}_{i}``, their tags and the rows' ``extra_fields`` dicts."""
         rows = [dict(r or {}) for r in extra_fields]
-        columns = _columns(rows)
+        pad = np.array([bool((tag or {}).get("is_padding", False)) for tag in (tags or [{}] * len(keys))], dtype=bool)
+        # verl's padding rows copy the first row's extra_fields, a placeholder's flag included
+        fault = np.array([bool(r.get(FAULT_ROW, False)) for r in rows], dtype=bool) & ~pad
+        columns = _columns(rows, skip=fault | pad)
         split = [k.rsplit("_", 2) for k in keys]
         if any(len(s) != 3 for s in split):
             bad = next(k for k, s in zip(keys, split) if len(s) != 3)
@@ -70,8 +84,7 @@ class RowMeta:
                              f"key format changed, pin verl>=0.9.1,<0.10")
         columns.setdefault(TRAJ, [f"{u}_{s}" for u, s, _ in split])
         columns.setdefault(STEP_IDX, [int(i) for _, _, i in split])
-        pad = np.array([bool((tag or {}).get("is_padding", False)) for tag in (tags or [{}] * len(keys))])
-        return cls(columns=columns, is_padding=pad, source="v1 extra_fields")
+        return cls(columns=columns, is_padding=pad | fault, source="v1 extra_fields", fault_rows=fault)
 
     @classmethod
     def from_non_tensor_batch(cls, non_tensor_batch: Mapping[str, np.ndarray]) -> RowMeta | None:
@@ -82,15 +95,18 @@ class RowMeta:
         n = len(next(iter(non_tensor_batch.values())))
         columns = {k: list(non_tensor_batch[k]) for k in non_tensor_batch if k not in ("uid",)}
         pad = np.asarray(non_tensor_batch.get("is_padding", np.zeros(n, dtype=bool)), dtype=bool)
-        return cls(columns=columns, is_padding=pad, source="non_tensor_batch")
+        fault = np.asarray(non_tensor_batch.get(FAULT_ROW, np.zeros(n, dtype=bool)), dtype=bool) & ~pad
+        return cls(columns=columns, is_padding=pad | fault, source="non_tensor_batch", fault_rows=fault)
 
 
-def _columns(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
+def _columns(rows: list[dict[str, Any]], skip: np.ndarray | None = None) -> dict[str, list[Any]]:
+    """One list per ``extra_fields`` key that every row carries; the ``skip`` rows (env-fault placeholders, dropped
+    like padding) may lack a key, which is then None there."""
     keys = sorted({k for r in rows for k in r})
     out: dict[str, list[Any]] = {}
     for k in keys:
-        if all(k in r for r in rows):
-            out[k] = [r[k] for r in rows]
+        if all(k in r or (skip is not None and skip[i]) for i, r in enumerate(rows)):
+            out[k] = [r.get(k) for r in rows]
         elif k in CONTRACT_KEYS:
             missing = next(i for i, r in enumerate(rows) if k not in r)
             raise ValueError(f"extra_fields[{k!r}] is set on some rows but not on row {missing}; set it on every "

@@ -26,12 +26,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
+
 from credit_plugins import registry
 
 from . import adapter
 from ._compat import check_signature, checkpoint_wraps, install_post_import_hooks, wraps_once
 from .adapter import publish
-from .contract import RowMeta
+from .contract import ENV_ERROR, ENV_ERROR_DETAIL, TRAJ, RowMeta
 from .archive import archive_path, write_archive
 from .ccm import add_ccm_distillation, ccm_params
 from .hindsight import add_hindsight_columns, needs_hindsight
@@ -82,6 +84,7 @@ def wrap_v1_compute_advantage(orig):
         name = _name(self.config.algorithm.adv_estimator)
         estimator = registry.get(name)
         meta.stats.update(loop_stats(meta))
+        check_env_errors(meta, self.config.algorithm)
         path = archive_path(self.config.algorithm)
         if path is not None:  # ROSS: the step's rollouts, appended to the run's archive before any credit
             meta.stats["agentcredit/archived_trajectories"] = float(write_archive(self, batch, meta, path))
@@ -107,10 +110,10 @@ def loop_stats(meta: RowMeta) -> dict[str, float]:
     from env_adapters.memory_context import input_token_saving
 
     cols = meta.columns
+    stats = env_fault_stats(meta)
     rows = [i for i in range(len(meta)) if not meta.is_padding[i]]
     if not rows:
-        return {}
-    stats: dict[str, float] = {}
+        return stats
     if "by_teacher" in cols:
         stats["agentcredit/guided_teacher_turns"] = sum(bool(cols["by_teacher"][i]) for i in rows) / len(rows)
     if "full_prompt_tokens" not in cols or "prompt_tokens" not in cols:
@@ -120,6 +123,51 @@ def loop_stats(meta: RowMeta) -> dict[str, float]:
     if "memory_malformed" in cols:
         stats["agentcredit/ccm_malformed_memory"] = sum(bool(cols["memory_malformed"][i]) for i in rows) / len(rows)
     return stats
+
+
+#: the largest share of a step's episodes whose env may fault before the run stops (``algorithm.<this key>``)
+MAX_ENV_ERROR_RATE_KEY, MAX_ENV_ERROR_RATE = "agentcredit_max_env_error_rate", 0.25
+
+
+def _faulted_episodes(meta: RowMeta) -> tuple[dict[str, int], int]:
+    """``({traj: a row of it}, episodes)``: the step's episodes whose env faulted (one row each), and all episodes,
+    over the rows verl did not add as padding."""
+    cols = meta.columns
+    rows = np.flatnonzero(~meta.batch_padding)
+    if ENV_ERROR not in cols or TRAJ not in cols:
+        return {}, len({cols[TRAJ][i] for i in rows}) if TRAJ in cols else 0
+    faulted = {str(cols[TRAJ][i]): int(i) for i in rows if cols[ENV_ERROR][i]}
+    return faulted, len({str(cols[TRAJ][i]) for i in rows})
+
+
+def env_fault_stats(meta: RowMeta) -> dict[str, float]:
+    """``agentcredit/env_errors`` (episodes whose env raised, hung or died this step), ``.../env_timeouts`` (those that
+    hung), ``.../env_error_rate`` (their share of the step's episodes) and ``.../env_fault_rows`` (placeholder rows of
+    episodes that faulted before their first turn); {} when the rows carry no ``env_error`` field."""
+    if ENV_ERROR not in meta.columns:
+        return {}
+    faulted, episodes = _faulted_episodes(meta)
+    kinds = [meta.columns[ENV_ERROR][i] for i in faulted.values()]
+    return {"agentcredit/env_errors": float(len(faulted)),
+            "agentcredit/env_timeouts": float(sum(k == "timeout" for k in kinds)),
+            "agentcredit/env_error_rate": len(faulted) / episodes if episodes else 0.0,
+            "agentcredit/env_fault_rows": float(meta.fault_rows.sum()) if meta.fault_rows is not None else 0.0}
+
+
+def check_env_errors(meta: RowMeta, algorithm) -> None:
+    """Stop the run when more than ``algorithm.agentcredit_max_env_error_rate`` (default 0.25) of the step's episodes
+    had an env fault: a ``RuntimeError`` naming the env, the seed and the first traceback, instead of training on
+    what is left."""
+    limit = float(algorithm.get(MAX_ENV_ERROR_RATE_KEY, MAX_ENV_ERROR_RATE))
+    if not 0.0 <= limit <= 1.0:
+        raise ValueError(f"algorithm.{MAX_ENV_ERROR_RATE_KEY}={limit}; use a share in [0, 1] (1: never stop)")
+    faulted, episodes = _faulted_episodes(meta)
+    if not faulted or len(faulted) / episodes <= limit:
+        return
+    detail = meta.columns.get(ENV_ERROR_DETAIL, [""] * len(meta))[next(iter(faulted.values()))]
+    raise RuntimeError(f"agentcredit: {len(faulted)} of {episodes} episodes of this step had an env fault, more than "
+                       f"algorithm.{MAX_ENV_ERROR_RATE_KEY}={limit}; stopping instead of training on the rest. The "
+                       f"first one: {detail}")
 
 
 STATE_FILE = "agentcredit_estimators.pt"

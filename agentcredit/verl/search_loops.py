@@ -30,10 +30,13 @@ from uuid import uuid4
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput, register
 
+from env_adapters import turns
+from env_adapters.executor import EnvFault
 from env_adapters.prompting import build_prompt, parse_action
-from env_adapters.search import Node, decision_row, fork_starts, new_root, require_search_env
+from env_adapters.search import Node, fork_starts, new_root
 
-from .agent_loop import _SERVER_KEYS, EnvAgentLoop, _plain, _sample_field
+from .agent_loop import _SERVER_KEYS, EnvAgentLoop, _plain, _sample_field, fault_fields
+from .contract import FAULT_ROW
 
 __all__ = ["CounterfactualAgentLoop", "TreeAgentLoop"]
 
@@ -56,11 +59,11 @@ class CounterfactualAgentLoop(EnvAgentLoop):
         self.evaluator = CounterfactualEvaluator(kind=evaluator, budget=int(budget), **options)
         self.invalid_utility = float(invalid_utility)
 
-    def step_extras(self, env, action_text: str | None) -> dict[str, Any]:
-        require_search_env(env, "agentcredit_counterfactual (ASCT)")
-        values = self.evaluator.evaluate(env)
-        n = len(values.actions)
-        return decision_row(env, values, action_text, [1.0 / n] * n, n + 1, self.invalid_utility)
+    def step_extras(self):
+        """ASCT's decision table (:func:`env_adapters.turns.counterfactual_row`), where the env lives. On the process
+        and ray backends the evaluator travels with each call, its random generator's state included: every
+        decision's trials then start from the same generator state (the thread backend advances one generator)."""
+        return turns.counterfactual_row, (self.evaluator, self.invalid_utility)
 
 
 @register("agentcredit_tree")
@@ -85,77 +88,98 @@ class TreeAgentLoop(EnvAgentLoop):
         self.initial, self.iterations, self.beam, self.branches = int(initial), int(iterations), int(beam), int(branches)
         self.criterion, self.alpha, self.lam = criterion, float(alpha), float(lam)
 
-    async def _chain(self, tree: list[Node], start: tuple, kwargs: Mapping[str, Any], sampling_params: dict,
+    async def _chain(self, tree: list[Node], start: tuple, spec: tuple[str, dict], sampling_params: dict,
                      priority: int, max_steps: int, system: list[dict], seed,
-                     versions: dict[int, dict] | None = None) -> None:
+                     versions: dict[int, dict] | None = None, faults: dict[int, EnvFault] | None = None) -> None:
+        """One chain of the tree from ``start``; an env fault ends it: its last node becomes a truncated, failed leaf
+        and ``faults[node id]`` (-1 when the chain made no node) records the fault."""
         parent, snap, depth, ret, fresh = start
-        env = self.make_env(kwargs)
-        require_search_env(env, "agentcredit_tree")
-        observation = env.reset(None if seed is None else int(seed))
-        if snap is not None:
-            env.restore(snap)
-            observation = env.render() if hasattr(env, "render") else env.state_key()
-        request_id = uuid4().hex
-        params = dict(sampling_params, logprobs=True)
-        while True:
-            prompt = build_prompt(getattr(env, "task", ""), [], observation, env.legal_actions(), 0)
-            prompt_ids = await self.ct_build_initial_tokens(system + [{"role": "user", "content": prompt}])
-            out = await self._generate(prompt_ids, params, request_id, int(priority))
-            ids = list(out.token_ids[: self.response_length]) or [self._filler_token()]
-            lps = list(out.log_probs or [])[: len(ids)]
-            surprisal = -sum(lps) / len(lps) if lps else 0.0
-            text = self.tokenizer.decode(out.token_ids[: self.response_length], skip_special_tokens=True)
-            action_text = parse_action(text)
-            key = env.action_key(action_text) if action_text is not None else None
-            before = env.snapshot()
-            anchor = env.state_key()
-            result = env.step(action_text)
-            node = Node(id=len(tree), parent=parent, depth=depth, prompt_ids=list(prompt_ids), completion_ids=ids,
-                        state=anchor, action=key, reward=float(result.reward), valid=key is not None,
-                        surprisal=float(surprisal), fresh=fresh, snapshot=before,
-                        path_return=ret + float(result.reward),
-                        response_mask=[1] * len(out.token_ids[: self.response_length]),
-                        logprobs=lps if sampling_params.get("logprobs") else None)
-            tree.append(node)
-            if versions is not None:  # the server's weight versions: verl's staleness tags read them on every row
-                versions[node.id] = {k: (out.extra_fields or {}).get(k) for k in _SERVER_KEYS}
-            if parent >= 0:
-                tree[parent].children.append(node.id)
-            if result.done or depth + 1 >= max_steps:
-                node.leaf, node.success, node.truncated = True, bool(result.done and result.success), not result.done
-                return
-            parent, depth, ret, fresh = node.id, depth + 1, node.path_return, False
-            observation = result.observation
+        handle = None
+        node = None
+        try:
+            handle = await self.envs.acquire(*spec)
+            observation, task = await handle.apply(turns.start, None if seed is None else int(seed), snap,
+                                                   require_search="agentcredit_tree")
+            request_id = uuid4().hex
+            params = dict(sampling_params, logprobs=True)
+            while True:
+                anchor, legal = await handle.apply(turns.observe)
+                prompt = build_prompt(task, [], observation, legal, 0)
+                prompt_ids = await self.ct_build_initial_tokens(system + [{"role": "user", "content": prompt}])
+                out = await self._generate(prompt_ids, params, request_id, int(priority))
+                ids = list(out.token_ids[: self.response_length]) or [self._filler_token()]
+                lps = list(out.log_probs or [])[: len(ids)]
+                surprisal = -sum(lps) / len(lps) if lps else 0.0
+                text = self.tokenizer.decode(out.token_ids[: self.response_length], skip_special_tokens=True)
+                action_text = parse_action(text)
+                turn = await handle.apply(turns.act, action_text, snapshot=True)
+                key, result = turn.action_key, turn.result
+                node = Node(id=len(tree), parent=parent, depth=depth, prompt_ids=list(prompt_ids),
+                            completion_ids=ids, state=anchor, action=key,
+                            reward=float(result.reward), valid=key is not None, surprisal=float(surprisal),
+                            fresh=fresh, snapshot=turn.snapshot, path_return=ret + float(result.reward),
+                            response_mask=[1] * len(out.token_ids[: self.response_length]),
+                            logprobs=lps if sampling_params.get("logprobs") else None)
+                tree.append(node)
+                if versions is not None:  # the server's weight versions: verl's staleness tags read them on every row
+                    versions[node.id] = {k: (out.extra_fields or {}).get(k) for k in _SERVER_KEYS}
+                if parent >= 0:
+                    tree[parent].children.append(node.id)
+                if result.done or depth + 1 >= max_steps:
+                    node.leaf, node.success, node.truncated = True, bool(result.done and result.success), not result.done
+                    return
+                parent, depth, ret, fresh = node.id, depth + 1, node.path_return, False
+                observation = result.observation
+        except EnvFault as exc:
+            exc.seed = seed
+            if node is not None:  # the chain's last played node ends it: a truncated, failed leaf
+                node.leaf, node.success, node.truncated = True, False, True
+            if faults is not None:
+                faults[node.id if node is not None else -1] = exc
+        finally:
+            if handle is not None:
+                self.envs.release(handle)
 
     async def run(self, sampling_params: dict[str, Any], priority: int = 0, **kwargs) -> list[AgentLoopOutput]:
+        spec = self.env_spec(kwargs)
         seed = _plain(_sample_field(kwargs, "seed", None))
         max_steps = int(_plain(_sample_field(kwargs, "max_steps", self.max_steps)))
         system = [dict(m) for m in (kwargs.get("raw_prompt") or []) if isinstance(m, Mapping)
                   and m.get("role") == "system"]
         tree: list[Node] = []
         versions: dict[int, dict] = {}
+        faults: dict[int, EnvFault] = {}  # node id of a faulted chain's last node -> its fault (-1: no node)
         root = new_root()
 
         async def grow(starts):
             # chains run concurrently but append to one list: node ids are assigned in completion order
-            await asyncio.gather(*(self._chain(tree, s, kwargs, sampling_params, priority, max_steps, system, seed,
-                                               versions) for s in starts))
+            await asyncio.gather(*(self._chain(tree, s, spec, sampling_params, priority, max_steps, system, seed,
+                                               versions, faults) for s in starts))
 
         await grow([(-1, None, 0, 0.0, False)] * self.initial)
         for _ in range(self.iterations):
+            if not any(n.leaf for n in tree):  # every chain faulted before its first step: nothing to fork from
+                break
             await grow(fork_starts(tree, self.beam, self.branches, self.criterion, self.alpha, self.lam, root))
         tag = uuid4().hex[:12]
+        if not tree:  # the env failed before any chain's first turn: one masked-out placeholder row
+            fault = faults[-1]
+            row = await self._fault_row(system, spec[0], fault, bool(sampling_params.get("logprobs")))
+            row["extra"].update(traj_uid=f"{tag}-fault", parent=None)
+            return self._outputs([row], False, False, fault, kwargs)
         leaves = [n for n in tree if n.leaf]
         mean_return = sum(n.path_return for n in leaves) / max(len(leaves), 1)
         outputs = []
         for i, n in enumerate(tree):
+            fault = faults.get(n.id)
             extra = {"traj_uid": f"{tag}-{n.id}", "step_idx": 0, "anchor_key": n.state, "action_key": n.action,
                      "step_reward": n.path_return if n.leaf else 0.0, "valid": n.valid, "success": n.success,
                      "truncated": n.truncated, "parent": f"{tag}-{n.parent}" if n.parent >= 0 else None,
                      "surprisal": n.surprisal, "fresh": n.fresh, "sel_rank": n.sel_rank, "sel_ncand": n.sel_ncand,
                      "selected": n.selected, **{f"root_{k}": v for k, v in root.items()},
                      "reward_extra_info": {"success": float(n.success), "episode_return": n.path_return,
-                                           "episode_steps": n.depth + 1}}
+                                           "episode_steps": n.depth + 1},
+                     FAULT_ROW: False, **fault_fields(fault)}
             extra.update(versions.get(n.id, {k: None for k in _SERVER_KEYS}))
             outputs.append(AgentLoopOutput(
                 prompt_ids=n.prompt_ids, response_ids=n.completion_ids, response_mask=n.response_mask or [0],
