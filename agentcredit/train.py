@@ -10,6 +10,13 @@ With ``agentcredit.warm_start`` the model is first fine-tuned on the env's scrip
 (:func:`agentcredit.sft.run_sft`, the rollout's own turn format) into ``<output_dir>/warm_start``, and RL starts from
 there; the ``before`` evaluation is the warm start's. A rerun with the same model and warm-start settings reuses
 that checkpoint.
+
+A run is never lost (:mod:`agentcredit.lifecycle`): :func:`preflight` checks every path before any model loads and
+takes the folder's lock; a folder that holds an earlier run is refused unless ``resume_from_checkpoint`` (true: the
+latest ``checkpoint-N``, or a path) resumes it, with the trainer's, the estimator's and the scheduler's state, the
+data order and RNG, the metrics log and the archive continued, or ``overwrite`` (``--overwrite``) clears it. The
+trained policy goes to ``output_dir/final`` (:func:`save_final`). SIGINT / SIGTERM stop after the current step with a
+checkpoint, the summary and the curve (``RunResult.interrupted``: the exit code).
 """
 
 from __future__ import annotations
