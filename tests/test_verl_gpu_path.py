@@ -219,3 +219,98 @@ def test_topk_losses_never_materialise_a_float32_tokens_by_vocab_tensor(monkeypa
         assert (big <= rows * vocab) == ok, (impl.__name__, big)
         # the gradient itself is the logits' dtype (bf16), as verl's own loss keeps it
         assert any(shape == tuple(logits.shape) and dtype == torch.bfloat16 for shape, dtype, _ in rec.seen)
+
+
+# ---- 5. bf16 layout noise kept out of the hindsight gap -------------------------------------------------------------
+def _noisy_actor(tq):
+    """test_verl_bridge's stand-in actor with a layout-dependent error: every log-prob of a call is off by
+    0.01 x the number of rows in the call (bf16 GEMMs pick kernels by the batch's shape), the same within a call."""
+    from tensordict import TensorDict
+
+    from tests.test_verl_bridge import _ActorGroup
+
+    class Noisy(_ActorGroup):
+        def _score(self, meta, per_prompt_token):
+            data = self.tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id,
+                                        select_fields=["input_ids", "prompts", "responses"])
+            prompts = [p.tolist() for p in data["prompts"].unbind(0)]
+            noise = 0.01 * len(meta.keys)
+            lps = [torch.full((ids.numel(),), per_prompt_token * len(p) + noise, dtype=torch.float64).float()
+                   for ids, p in zip(data["input_ids"].unbind(0), prompts)]
+            self.calls.append((meta.partition_id, list(meta.keys), dict(meta.extra_info), prompts,
+                               [r.tolist() for r in data["responses"].unbind(0)]))
+            self.tq.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields=TensorDict(
+                {"log_probs": torch.nested.as_nested_tensor(lps, layout=torch.jagged)}, batch_size=len(lps)))
+            return meta
+
+    return Noisy(tq)
+
+
+def test_score_deltas_takes_both_sides_from_one_pass_and_identical_inputs_give_exactly_zero(transfer_queue):
+    from tests.test_verl_bridge import _trainer_config, _write_rows
+    from transfer_queue import KVBatchMeta
+
+    from agentcredit.verl.hindsight import score_deltas
+
+    keys = _write_rows(transfer_queue)
+    group = _noisy_actor(transfer_queue)
+    trainer = types.SimpleNamespace(config=_trainer_config(), actor_rollout_wg=group)
+    trainer.config.actor_rollout_ref.rollout.temperature = 1.0
+    batch = KVBatchMeta(partition_id="train", keys=list(keys), tags=[{"status": "success"}] * len(keys))
+    own = [1, 2, 3]
+    deltas = score_deltas(trainer, batch, [0, 1, 0, 2], [[5, 6, 7, 8, 1, 2, 3], own, own, [9] + own],
+                          [own] * 4)
+    assert len(group.calls) == 1  # one pass, whatever its layout error
+    (_, _, _, prompts, _), = group.calls
+    assert prompts[:5] == [[5, 6, 7, 8, 1, 2, 3], own, own, [9] + own, own]  # (row 0, own) scored once
+    assert all(d.dtype == torch.float64 for d in deltas)
+    assert (deltas[1] == 0).all() and (deltas[2] == 0).all()  # identical inputs: exactly 0
+    torch.testing.assert_close(deltas[0], torch.full_like(deltas[0], -0.004), atol=1e-7, rtol=0)
+    torch.testing.assert_close(deltas[3], torch.full_like(deltas[3], -0.001), atol=1e-7, rtol=0)
+
+
+@pytest.mark.parametrize("same", [False, True])
+def test_same_layout_keeps_the_passes_layout_error_out_of_the_hindsight_gap(transfer_queue, same):
+    """UniOPSD's hindsight gap on a failed row: the true effect of the longer prompt is -0.001 per added token; verl's
+    own pass (old_log_probs) and the hindsight pass carry different layout errors. Without ``same_layout`` the gap
+    is the effect plus the difference of the two errors; with it, the effect alone."""
+    from tests.test_verl_bridge import _CharTokenizer, _put_old_log_probs, _trainer_config, _write_rows
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    from agentcredit.hindsight import PEER_HINDSIGHT_HEADER
+    from agentcredit.verl import adapter
+
+    adapter.INSTANCES.clear()
+    keys = _write_rows(transfer_queue)
+    _put_old_log_probs(transfer_queue, keys, value=-0.003 + 0.06)  # verl's pass: 6 rows, its own layout error
+    group = _noisy_actor(transfer_queue)
+    config = _trainer_config("uniopsd", lam0=0.5, warmdown_steps=10)
+    config.actor_rollout_ref.rollout.temperature = 1.0
+    if same:
+        config.algorithm.agentcredit_hindsight = {"same_layout": True}
+    trainer = types.SimpleNamespace(config=config, tokenizer=_CharTokenizer(), actor_rollout_wg=group)
+    metrics = {}
+    batch = KVBatchMeta(partition_id="train", keys=list(keys), tags=[{"status": "success"}] * len(keys))
+    PPOTrainer._compute_advantage(trainer, batch, metrics=metrics)
+    grown = len(PEER_HINDSIGHT_HEADER + "1. up\n2. left\n\n")
+    effect = 0.001 * grown
+    gap = metrics["agentcredit/hindsight_gap_abs_mean"]
+    if same:
+        assert gap == pytest.approx(effect, abs=1e-6)
+    else:
+        assert abs(gap - effect) > 0.01
+    adapter.INSTANCES.clear()
+
+
+def test_same_layout_is_a_boolean():
+    from omegaconf import OmegaConf
+
+    from agentcredit.verl.hindsight import same_layout
+
+    assert same_layout(OmegaConf.create({"algorithm": {}})) is False
+    assert same_layout(OmegaConf.create({"algorithm": {"agentcredit_hindsight": {"same_layout": True}}})) is True
+    with pytest.raises(ValueError, match="same_layout"):
+        same_layout(OmegaConf.create({"algorithm": {"agentcredit_hindsight": {"same_layout": "yes"}}}))
+    with pytest.raises(ValueError, match="unknown key"):
+        same_layout(OmegaConf.create({"algorithm": {"agentcredit_hindsight": {"layout": True}}}))

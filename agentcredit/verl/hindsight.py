@@ -56,7 +56,20 @@ AlignOPSD (the extras it adds to UniOPSD's, ``DISTILL.md`` §8):
   teacher prompt (its hindsight prompt when it is taught, else its own prompt). ``logp_cross`` is ``[K, W]`` per
   row (``W`` the longest response of the batch), 0 on empty slots.
 
-Step metric ``agentcredit/hindsight_cross_pairs``. Not supported: multimodal rows; the legacy trainer
+Step metric ``agentcredit/hindsight_cross_pairs``.
+
+bf16 layout noise (``algorithm.agentcredit_hindsight.same_layout: true``): ``old_log_probs`` come from verl's own
+pass over the whole batch and the hindsight scores from another pass over other rows, so in bf16 the two sides of
+``logp_teacher - logp_old`` are computed with different packing / micro-batch shapes, and that noise (measured by
+``benchmarks/bf16_noise.py``) goes straight into the credit. With ``same_layout`` each scored row is also scored under
+its **own** prompt in the same ``compute_log_prob`` call, next to its hindsight (or cross) entry, and the columns
+become ``logp_teacher = logp_old + (lp(hindsight prompt) - lp(own prompt))`` (``logp_cross`` alike): the gap the
+estimator sees is a difference of one pass. Identical inputs (a cross source whose teacher prompt is the target's own
+prompt) are scored once, so their gap is exactly 0 (:func:`score_deltas`). It costs one more scored row per taught
+row (and per target). verl's ``compute_log_prob`` has no per-call precision switch (FSDP's mixed precision is fixed
+when the engine is built), so an fp32 pass is not an option. Default off.
+
+Not supported: multimodal rows; the legacy trainer
 (``trainer.use_v1=False``).
 """
 
@@ -75,10 +88,14 @@ from agentcredit.hindsight import insert_prefix, peer_prefixes
 from agentcredit.thinking import hashed_ngram_embedding, thinking_text
 from credit_plugins.estimator import Estimator
 
+from ._compat import algorithm_mapping
 from .contract import RowMeta, build_step_table
 
-__all__ = ["ALIGN_COLUMNS", "COLUMNS", "PARTITION", "add_hindsight_columns", "field_rows", "needs_hindsight",
-           "score_prompts"]
+__all__ = ["ALIGN_COLUMNS", "COLUMNS", "CONFIG_KEY", "PARTITION", "add_hindsight_columns", "field_rows",
+           "needs_hindsight", "same_layout", "score_deltas", "score_prompts"]
+
+#: ``algorithm.<CONFIG_KEY>``: ``{same_layout: false}`` (see the module doc)
+CONFIG_KEY = "agentcredit_hindsight"
 
 #: the TransferQueue partition the hindsight rows live in while the actor scores them
 PARTITION = "agentcredit_hindsight"
@@ -202,8 +219,41 @@ def score_prompts(trainer, batch, rows: Sequence[int], prompts: Sequence[Sequenc
     return [lp.to(torch.float32) for lp in logp[:n]]
 
 
+def same_layout(config: Any) -> bool:
+    """``algorithm.agentcredit_hindsight.same_layout`` (False when unset)."""
+    algo = config.get("algorithm", None) if hasattr(config, "get") else getattr(config, "algorithm", None)
+    block = algorithm_mapping(algo, CONFIG_KEY, ("same_layout",)) or {}
+    value = block.get("same_layout", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"algorithm.{CONFIG_KEY}.same_layout must be true or false, got {value!r}")
+    return value
+
+
+def score_deltas(trainer, batch, rows: Sequence[int], prompts: Sequence[Sequence[int]],
+                 own_prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """``lp(prompts[r]) - lp(own_prompts[r])`` (float64, one 1-D tensor per entry, over row ``rows[r]``'s response),
+    both sides from one :func:`score_prompts` call, each entry's pair next to each other; identical (row, prompt)
+    inputs are scored once, so an entry whose two prompts are equal gets exactly 0."""
+    slots: dict[tuple[int, tuple[int, ...]], int] = {}
+    srows: list[int] = []
+    sprompts: list[list[int]] = []
+
+    def slot(row: int, prompt: Sequence[int]) -> int:
+        key = (int(row), tuple(int(t) for t in prompt))
+        if key not in slots:
+            slots[key] = len(srows)
+            srows.append(int(row))
+            sprompts.append(list(key[1]))
+        return slots[key]
+
+    pairs = [(slot(r, p), slot(r, o)) for r, p, o in zip(rows, prompts, own_prompts)]
+    scored = score_prompts(trainer, batch, srows, sprompts) if srows else []
+    return [scored[a].double() - scored[b].double() for a, b in pairs]
+
+
 def _cross_columns(trainer, batch, steps, keep: np.ndarray, emb: torch.Tensor, teacher_prompts: list[list[int]],
-                   old: list[torch.Tensor], params: Any) -> tuple[list[np.ndarray], list[np.ndarray], int]:
+                   old: list[torch.Tensor], params: Any, own_prompts: list[list[int]] | None = None
+                   ) -> tuple[list[np.ndarray], list[np.ndarray], int]:
     """AlignOPSD's cross passes: ``logp_cross`` ``[K, W]`` and ``cross_src`` ``[K]`` per batch row, and the number of
     (target, source) pairs scored."""
     from credit_plugins.estimators import alignopsd
@@ -217,7 +267,12 @@ def _cross_columns(trainer, batch, steps, keep: np.ndarray, emb: torch.Tensor, t
     if pairs:
         targets = [int(keep[a]) for a, _ in pairs]
         prompts = [teacher_prompts[int(keep[int(src[a, k])])] for a, k in pairs]
-        for (a, k), target, lp in zip(pairs, targets, score_prompts(trainer, batch, targets, prompts)):
+        if own_prompts is None:
+            scored = score_prompts(trainer, batch, targets, prompts)
+        else:  # one layout: logp_old + (lp(source's teacher prompt) - lp(own prompt)) of the same pass
+            deltas = score_deltas(trainer, batch, targets, prompts, [own_prompts[t] for t in targets])
+            scored = [old[t].double() + d for t, d in zip(targets, deltas)]
+        for (a, k), target, lp in zip(pairs, targets, scored):
             if lp.numel() != old[target].numel():
                 raise RuntimeError(f"agentcredit cross scoring: {lp.numel()} log-probs for {old[target].numel()} "
                                    f"response tokens of batch row {target}")
@@ -256,6 +311,7 @@ def add_hindsight_columns(trainer, batch, meta: RowMeta, estimator: Estimator, p
     taught = [int(keep[j]) for j, p in enumerate(prefixes) if p]
     prefix_of = {int(keep[j]): p for j, p in enumerate(prefixes) if p}
     teacher_prompts = [p.tolist() for p in field_rows(data["prompts"])]
+    own_prompts = [list(p) for p in teacher_prompts] if same_layout(trainer.config) else None
     teacher = [lp.clone() for lp in old]
     grown = 0
     if taught:
@@ -264,19 +320,25 @@ def add_hindsight_columns(trainer, batch, meta: RowMeta, estimator: Estimator, p
             ids = tok(insert_prefix(text, prefix_of[i]), add_special_tokens=False)["input_ids"]
             grown += len(ids) - len(teacher_prompts[i])
             teacher_prompts[i] = ids
-        for i, lp in zip(taught, score_prompts(trainer, batch, taught, [teacher_prompts[i] for i in taught])):
+        if own_prompts is None:
+            scored = score_prompts(trainer, batch, taught, [teacher_prompts[i] for i in taught])
+        else:  # one layout: logp_old + (lp(hindsight prompt) - lp(own prompt)) of the same pass
+            deltas = score_deltas(trainer, batch, taught, [teacher_prompts[i] for i in taught],
+                                  [own_prompts[i] for i in taught])
+            scored = [old[i].double() + d for i, d in zip(taught, deltas)]
+        for i, lp in zip(taught, scored):
             if lp.numel() != old[i].numel():
                 raise RuntimeError(f"agentcredit hindsight scoring: {lp.numel()} hindsight log-probs for "
                                    f"{old[i].numel()} response tokens of row {keys[i]!r}")
             teacher[i] = lp
-    gaps = [(teacher[i] - old[i]).abs()[masks[i].bool()] for i in taught]
+    gaps = [(teacher[i].double() - old[i].double()).abs()[masks[i].bool()] for i in taught]
     bad = sum(int((~torch.isfinite(g)).sum()) for g in gaps)
     if bad:
         raise ValueError(f"hindsight scoring ({estimator.name}): the hindsight-prompt log-probs hold NaN/inf at {bad} "
                          f"response token(s); train the actor in float32 or bf16 with a float32 head")
     gap = torch.cat(gaps) if gaps else torch.zeros(0)
     meta.columns["logp_old"] = [lp.numpy().astype(np.float64) for lp in old]
-    meta.columns["logp_teacher"] = [lp.numpy().astype(np.float64) for lp in teacher]
+    meta.columns["logp_teacher"] = [lp.double().numpy() for lp in teacher]
     meta.columns["response_mask"] = [m.to(torch.int64).numpy() for m in masks]
     stats = {
         "agentcredit/hindsight_rows": float(len(taught)),
@@ -292,7 +354,7 @@ def add_hindsight_columns(trainer, batch, meta: RowMeta, estimator: Estimator, p
         meta.columns["emb_teacher"] = meta.columns["emb_student"] = list(rows)
         if estimator.reads("logp_cross"):
             logp_cross, cross_src, n_pairs = _cross_columns(trainer, batch, steps, keep, emb, teacher_prompts, old,
-                                                            params)
+                                                            params, own_prompts)
             meta.columns["logp_cross"], meta.columns["cross_src"] = logp_cross, cross_src
             stats["agentcredit/hindsight_cross_pairs"] = float(n_pairs)
     stats["agentcredit/hindsight_seconds"] = time.perf_counter() - started
