@@ -26,12 +26,13 @@ from agentcredit.recipe import RecipeError, load_recipe  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 TINY_DEMO = str(ROOT / "recipes" / "trl" / "minigrid_demo.yaml")
 
+# 6 steps, a checkpoint every 2, MVPO (a stateful estimator), an archive
 RECIPE = """\
-model_name_or_path: tiny-qwen2
 output_dir: {out}
-max_steps: 6
-learning_rate: 1.0e-3
+model_name_or_path: tiny-qwen2
 lr_scheduler_type: constant
+learning_rate: 1.0e-3
+max_steps: 6
 per_device_train_batch_size: 12
 use_cpu: true
 bf16: false
@@ -460,3 +461,41 @@ def test_verl_smoke_failure_prints_the_cause_line(tmp_path, capsys, monkeypatch)
                                     "[ 1.2s]   at the end\n")
     assert smoke.cause_line(tmp_path / "t.log") == "ValueError: bad x"
     assert smoke.cause_line(tmp_path / "missing.log") == ""
+
+
+def test_verl_archive_records_name_their_run():
+    from types import SimpleNamespace
+
+    from agentcredit.verl.archive import run_name
+
+    cfg = SimpleNamespace(trainer=SimpleNamespace(project_name="p", experiment_name="sokoban"))
+    assert run_name(cfg).startswith("p/sokoban@") and run_name(cfg).endswith(f"-{os.getpid()}")
+    assert run_name(None).startswith("verl@")
+
+
+def test_a_lora_run_saves_the_merged_model_and_its_adapter(tmp_path):
+    """``save_final`` on a LoRA model: ``final/`` is a plain checkpoint with the adapter merged in (loadable without
+    peft, equal to the merged weights), ``final/adapter`` the adapter itself, plus tokenizer and recipe."""
+    from types import SimpleNamespace
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agentcredit.models import resolve_model
+    from agentcredit.train import save_final
+
+    path = resolve_model("tiny-qwen2")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                           LoraConfig(r=2, lora_alpha=4, task_type="CAUSAL_LM", init_lora_weights=False))
+    trainer = SimpleNamespace(model=model, accelerator=SimpleNamespace(unwrap_model=lambda m: m))
+    recipe = load_recipe(_recipe(tmp_path), ["agentcredit.lora={r: 2, alpha: 4}"])
+    final = Path(save_final(trainer, AutoTokenizer.from_pretrained(path), recipe, tmp_path / "final", {"run_id": "r"}))
+    assert (final / "adapter" / "adapter_config.json").exists() and not (final / "adapter_config.json").exists()
+    assert (final / "recipe.yaml").exists() and (final / "tokenizer_config.json").exists()
+    assert "lora" in (final / "recipe.yaml").read_text()
+    merged = model.merge_and_unload().state_dict()
+    loaded = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).state_dict()
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    assert all(torch.equal(loaded[k], merged[k]) for k in base)
+    assert any(not torch.equal(loaded[k], base[k]) for k in base)  # the adapter is in the weights

@@ -163,8 +163,9 @@ def test_warm_start_block_is_validated():
                             ("agentcredit.warm_start=[1]", r"agentcredit.warm_start must be a mapping"),
                             ("agentcredit.rollout=memory", r"warm_start trains on the Markovian turn prompts.*"
                                                            r"rollout: memory"),
-                            ("agentcredit.env_options={size: 6, moves: relative}", r"warm_start needs a scripted "
-                                                                                   r"expert")]:
+                            # env_options overrides merge: null drops the demo's view: coords
+                            ("agentcredit.env_options={moves: relative, view: null}", r"warm_start needs a "
+                                                                                      r"scripted expert")]:
         with pytest.raises(RecipeError, match=match):
             load_recipe(TINY_DEMO, [override])
 
@@ -267,7 +268,7 @@ def test_overrides(tmp_path):
     assert r.agentcredit.env_options == {"size": 6, "shaping": 1.0}  # dotted keys set one entry of the mapping
     assert r.agentcredit.eval.seed_list == [20000, 20001, 20002, 20003]
     assert r.trl_args["max_steps"] == 5
-    r = load_recipe(p, ["agentcredit.env_options={size: 6}"])  # a mapping value replaces the mapping
+    r = load_recipe(p, ["agentcredit.env_options={size: 6}"])  # merged into the mapping (which holds only size)
     assert r.agentcredit.env_options == {"size": 6}
     # geometry follows overridden sizes
     r = load_recipe(p, ["agentcredit.episodes_per_group=4", "per_device_train_batch_size=24"])

@@ -18,7 +18,8 @@ under the response mask: the tokens the model generated), ``state`` / ``action``
 ``action_key`` (an action of None: -1), ``valid`` the ``valid`` field (else ``action_key is not None``), ``reward``
 the ``step_reward`` field (else the row's reward score on the last step, 0 before); ``success`` / ``truncated`` from
 those fields of the last step. ``group`` numbers the batch's prompts (uids) in order of first appearance, ``traj`` the
-rollouts; ``extra`` keeps verl's ``uid`` and ``traj_uid``. Rows tagged ``is_padding`` are skipped. The ``anchor_key``
+rollouts; ``extra`` keeps verl's ``uid`` and ``traj_uid``; ``run`` names the run (:func:`run_name`), so
+``agentcredit ross`` can refuse an archive that mixes runs. Rows tagged ``is_padding`` are skipped. The ``anchor_key``
 field is required (the loop-erased selector compares states); a batch without it is a ``ValueError`` that names it.
 Only runs whose estimator is an agentcredit one pass through the wrapped step, so only they are archived.
 """
@@ -33,7 +34,7 @@ from credit_plugins.hashing import stable_hash
 from ._compat import algorithm_entry
 from .contract import ACTION, ANCHOR, STEP_IDX, STEP_REWARD, SUCCESS, TRAJ, TRUNCATED, RowMeta
 
-__all__ = ["ARCHIVE_KEY", "archive_path", "archived_trajectories", "write_archive"]
+__all__ = ["ARCHIVE_KEY", "archive_path", "archived_trajectories", "run_name", "write_archive"]
 
 #: ``algorithm.<ARCHIVE_KEY>``: the JSONL file the rollouts are appended to (None: no archive)
 ARCHIVE_KEY = "agentcredit_archive"
@@ -115,7 +116,18 @@ def write_archive(trainer, batch, meta: RowMeta, path: str) -> int:
     trajectories = archived_trajectories(meta, [p.tolist() for p in field_rows(data["prompts"])], completions, texts,
                                          scores, uids=uids, step=int(getattr(trainer, "global_steps", 0) or 0))
     writer = _WRITERS.get(path)
-    if writer is None:
-        writer = _WRITERS[path] = ArchiveWriter(path)
+    if writer is None:  # every record names its run: verl's project/experiment and this process's start
+        writer = _WRITERS[path] = ArchiveWriter(path, run=run_name(getattr(trainer, "config", None)))
     return writer.write(trajectories)
+
+
+def run_name(config: Any) -> str:
+    """``trainer.project_name/trainer.experiment_name@<start time>-<pid>`` of a verl config (what each archived
+    record names as its ``run``)."""
+    import os
+    import time
+
+    t = getattr(config, "trainer", None) if config is not None else None
+    name = "/".join(str(getattr(t, k, None) or "") for k in ("project_name", "experiment_name")).strip("/")
+    return f"{name or 'verl'}@{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
