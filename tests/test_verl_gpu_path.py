@@ -231,16 +231,12 @@ def _noisy_actor(tq):
 
     class Noisy(_ActorGroup):
         def _score(self, meta, per_prompt_token):
-            data = self.tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id,
-                                        select_fields=["input_ids", "prompts", "responses"])
-            prompts = [p.tolist() for p in data["prompts"].unbind(0)]
-            noise = 0.01 * len(meta.keys)
-            lps = [torch.full((ids.numel(),), per_prompt_token * len(p) + noise, dtype=torch.float64).float()
-                   for ids, p in zip(data["input_ids"].unbind(0), prompts)]
-            self.calls.append((meta.partition_id, list(meta.keys), dict(meta.extra_info), prompts,
-                               [r.tolist() for r in data["responses"].unbind(0)]))
+            super()._score(meta, per_prompt_token)
+            lps = self.tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id,
+                                       select_fields=["log_probs"])["log_probs"].unbind(0)
+            noisy = [(lp.double() + 0.01 * len(meta.keys)).float() for lp in lps]
             self.tq.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields=TensorDict(
-                {"log_probs": torch.nested.as_nested_tensor(lps, layout=torch.jagged)}, batch_size=len(lps)))
+                {"log_probs": torch.nested.as_nested_tensor(noisy, layout=torch.jagged)}, batch_size=len(noisy)))
             return meta
 
     return Noisy(tq)
