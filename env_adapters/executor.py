@@ -41,7 +41,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 __all__ = ["EnvExecutor", "EnvHandle", "EnvFault", "FAULT_KINDS", "BACKENDS", "register_backend", "call_method",
-           "shared_executor"]
+           "call_name", "build_env", "shared_executor"]
 
 logger = logging.getLogger("agentcredit")
 
@@ -70,7 +70,8 @@ def call_method(env, method: str, *args, **kwargs):
     return getattr(env, method)(*args, **kwargs)
 
 
-def _fn_name(fn: Callable, args: tuple) -> str:
+def call_name(fn: Callable, args: tuple) -> str:
+    """How a fault names the call ``fn(env, *args)``: the method's name for :func:`call_method`, else ``fn``'s."""
     if fn is call_method and args:
         return str(args[0])
     return getattr(fn, "__name__", repr(fn))
@@ -104,7 +105,7 @@ class EnvHandle:
     def _guarded(self, fn: Callable, args: tuple, kwargs: dict, timeout: float | None) -> Any:
         with self._lock:
             if self.broken:
-                raise EnvFault("dead", self.name, _fn_name(fn, args), "the env handle is broken by an earlier fault")
+                raise EnvFault("dead", self.name, call_name(fn, args), "the env handle is broken by an earlier fault")
             self.calls += 1
             return self._run(fn, args, kwargs, timeout)
 
@@ -128,7 +129,7 @@ class EnvHandle:
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
         except Exception as exc:
-            raise self._fault(exc, _fn_name(fn, args), timeout) from None
+            raise self._fault(exc, call_name(fn, args), timeout) from None
 
     def apply_sync(self, fn: Callable, *args, timeout: float | None = None, **kwargs) -> Any:
         """:meth:`apply` for synchronous callers (the TRL rollouts): blocks this thread, not the env's."""
@@ -137,14 +138,15 @@ class EnvHandle:
         try:
             return future.result(timeout)
         except Exception as exc:
-            raise self._fault(exc, _fn_name(fn, args), timeout) from None
+            raise self._fault(exc, call_name(fn, args), timeout) from None
 
     async def call(self, method: str, *args, **kwargs) -> Any:
         """``await handle.call("step", text)``: one method of the env, off the loop."""
         return await self.apply(call_method, method, *args, **kwargs)
 
 
-def _build(name: str, options: Mapping[str, Any]):
+def build_env(name: str, options: Mapping[str, Any]):
+    """``env_adapters.make(name, **options)`` (what every backend runs where its env lives)."""
     import env_adapters
 
     return env_adapters.make(name, **dict(options))
@@ -157,7 +159,7 @@ class ThreadHandle(EnvHandle):
     env: Any = None
 
     def _start(self) -> None:
-        self.env = _build(self.name, self.options)
+        self.env = build_env(self.name, self.options)
 
     def _run(self, fn, args, kwargs, timeout):
         return fn(self.env, *args, **kwargs)
@@ -206,7 +208,7 @@ class ProcessHandle(EnvHandle):
         return value
 
     def _run(self, fn, args, kwargs, timeout):
-        return self._roundtrip(("call", fn, args, kwargs), timeout, _fn_name(fn, args))
+        return self._roundtrip(("call", fn, args, kwargs), timeout, call_name(fn, args))
 
     def _abort(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

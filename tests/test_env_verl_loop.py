@@ -95,7 +95,8 @@ class HFServer:
                        audio_data=None, mm_processor_kwargs=None, **kwargs):
         from verl.workers.rollout.replica import TokenOutput
 
-        self.calls.append({"request_id": request_id, "prompt_ids": list(prompt_ids), **kwargs})
+        self.calls.append({"request_id": request_id, "prompt_ids": list(prompt_ids),
+                           "sampling_params": dict(sampling_params), **kwargs})
         eos = self.tokenizer.eos_token_id
         if self.script is not None:
             action = next(self.script)
@@ -467,6 +468,10 @@ def test_guided_schedule_lets_the_distillation_teacher_write_turns(transfer_queu
     steps = _rows(transfer_queue, uid, 1, partition="val" if case == "validation" else "train")[0]
     guided = case == "guided"
     assert len(teacher.calls) == (3 if guided else 0) and len(student.calls) == (0 if guided else 3)
+    # a teacher turn gets the policy's turn budget (verl's teacher servers alone allow one token); the policy's own
+    # requests leave it to their server
+    assert all(c["sampling_params"]["max_tokens"] == RESPONSE_LEN for c in teacher.calls)
+    assert all("max_tokens" not in c["sampling_params"] for c in student.calls)
     assert [r["extra"]["by_teacher"] for r in steps] == [guided] * 3
     assert [r["extra"]["action_key"] for r in steps] == ["turn left" if guided else "turn right"] * 3
     assert all(bool(r["response_mask"].any()) != guided for r in steps)  # teacher turns: nothing trained
@@ -794,3 +799,55 @@ def test_the_sessions_of_a_worker_step_their_envs_at_once(transfer_queue, model_
         assert all(r["extra"]["env_error"] == "" for s in rows for r in rows[s])
     finally:
         registry.unregister_plugin(name)
+
+
+def test_the_ray_backend_plays_reuses_and_contains_faults(transfer_queue):
+    """Env instances as Ray actors (the local ray the TransferQueue runs on): a reused actor replays a seed as a new
+    one does; a raise, a hang past the timeout and a crashed actor process are the three fault kinds, and a faulted
+    actor is replaced."""
+    from agentcredit.verl import env_actors  # noqa: F401  (registers the backend)
+    from env_adapters import turns
+    from env_adapters.executor import EnvExecutor, EnvFault
+
+    ex = EnvExecutor("ray", workers=4, timeout_s=2.0, backend_options={"num_cpus": 0})
+    options = {"env": "synthetic", "faults": {1: "raise@0", 2: "hang@0", 3: "exit@0"}, "hang_s": 30.0}
+    try:
+        h = ex.acquire_sync("faulty", options)
+        first = h.apply_sync(turns.start, 0), h.apply_sync(turns.act, "look around").result.observation
+        ex.release(h)
+        again = ex.acquire_sync("faulty", options)
+        assert again is h
+        assert (h.apply_sync(turns.start, 0), h.apply_sync(turns.act, "look around").result.observation) == first
+        kinds = []
+        for seed in (1, 2, 3):
+            h = ex.acquire_sync("faulty", options)
+            h.apply_sync(turns.start, seed)
+            with pytest.raises(EnvFault) as info:
+                h.apply_sync(turns.act, "look around")
+            kinds.append(info.value.kind)
+            ex.release(h)
+            assert ex.acquire_sync("faulty", options) is not h
+        assert kinds == ["error", "timeout", "dead"]
+        assert ex.counts["error"] == ex.counts["timeout"] == ex.counts["dead"] == 1
+    finally:
+        ex.close()
+
+
+def test_full_determinism_gives_each_session_its_own_request_id_and_seed(transfer_queue, model_and_tokenizer):
+    """With ``rollout.full_determinism`` verl's server seeds every request alike unless it names a seed: each session
+    gets its own request id and seed (from the dataset row, the session and the step), the same on a rerun, so a
+    group's sessions differ and a rerun repeats them."""
+    model, tok = model_and_tokenizer
+    config = _config()
+    config.actor_rollout_ref.rollout.full_determinism = True
+
+    def play(uid):
+        servers = [HFServer(model, tok, ["turn left"] * 2) for _ in range(2)]
+        _rollout_group(config, servers, tok, uid=uid, max_steps=2)
+        return [(c["request_id"], c["sampling_params"].get("seed")) for srv in servers for c in srv.calls]
+
+    first, rerun = play("det_a"), play("det_b")  # verl's uid differs per step; the dataset row is the same
+    assert first == rerun
+    (id0, seed0), (id1, seed1) = first[0], first[2]
+    assert first[0] == first[1] and first[2] == first[3]  # one sticky request id per episode
+    assert id0 != id1 and seed0 != seed1 and isinstance(seed0, int)

@@ -252,3 +252,46 @@ def test_sokoban_guided_opd_teacher_writes_turns(workdir):
     # values, actor/pg_loss and actor/distillation/loss, are NaN here: a micro-batch of teacher turns only has no
     # token for their normaliser; the gradients are finite.)
     assert math.isfinite(metrics[2]["actor/ppo_kl"]) and abs(metrics[2]["actor/ppo_kl"]) < 1e-2, shown
+
+
+SOKOBAN = {"size": 6, "num_boxes": 1, "success_reward": 10.0, "invalid_penalty": -0.1}
+
+
+def _faulty_loop(faults: dict, **options) -> dict:
+    """The sokoban recipe's loop on the ``faulty`` wrapper of its env, envs in worker processes of their own."""
+    return {"env_name": "faulty", "env_options": {"env": "sokoban", "env_options": SOKOBAN, "faults": faults,
+                                                  "hang_s": 600.0},
+            "env_backend": "process", "env_timeout_s": 20.0, **options}
+
+
+def test_env_faults_in_a_real_run_are_contained_counted_and_the_run_finishes(workdir):
+    """A real ``main_ppo`` run whose env faults in three ways: seed 0's step raises at turn 1 (step 1), seed 2's env
+    process exits at its first step and seed 3's hangs at turn 1 past ``env_timeout_s`` (step 2). The run finishes;
+    the faulted episodes keep their played rows (seed 2's give masked-out placeholders that the bridge drops), the
+    step metrics count them, and the clean group of step 1 trains as usual."""
+    faults = {0: "raise@1", 2: "exit@0", 3: "hang@1"}
+    metrics, log = _run("sokoban_gigpo", workdir, loop_options=_faulty_loop(faults),
+                        overrides=["+algorithm.agentcredit_max_env_error_rate=1.0"])
+    one, two = metrics[1], metrics[2]
+    # step 1: seeds 0 (both sessions raise at turn 1, one row each) and 1 (clean)
+    assert one["agentcredit/env_errors"] == 2 and one["agentcredit/env_timeouts"] == 0
+    assert one["agentcredit/env_error_rate"] == 0.5 and one["agentcredit/env_fault_rows"] == 0
+    assert one["agentcredit/trajectories"] == 4 and one["agentcredit/padding_rows"] == 0
+    assert 2 + 2 <= one["agentcredit/steps"] <= 2 + 2 * MAX_STEPS
+    assert math.isfinite(one["actor/grad_norm"]) and one["actor/grad_norm"] > 0
+    # step 2: seed 2's processes die before any row (placeholders), seed 3's hang at turn 1 (one row each)
+    assert two["agentcredit/env_errors"] == 4 and two["agentcredit/env_timeouts"] == 2
+    assert two["agentcredit/env_error_rate"] == 1.0 and two["agentcredit/env_fault_rows"] == 2
+    assert two["agentcredit/trajectories"] == 2 and two["agentcredit/steps"] == 2
+    assert "InjectedFault" in log and "env worker process died" in log
+
+
+def test_too_many_env_faults_stop_the_run_naming_env_seed_and_traceback(workdir):
+    """The default limit (a quarter of a step's episodes): seed 0's faults are half of step 1's, so the run stops
+    at step 1 with an error that names the env, the seed and the env's traceback."""
+    run = smoke.prepare(RECIPES / "sokoban_gigpo.yaml", workdir, steps=1, rows=TASKS,
+                        loop_options=_faulty_loop({0: "raise@1"}))
+    rc, log, metrics = smoke.run(run, timeout=TIMEOUT)
+    assert rc != 0 and not metrics
+    assert "2 of 4 episodes of this step had an env fault" in log
+    assert "env 'faulty' seed=0: act -> error" in log and "InjectedFault: faulty: injected failure at turn 1" in log

@@ -107,7 +107,7 @@ from env_adapters.memory_context import ACTION_OPEN, MEMORY_OPEN, MemoryTrack, a
 from env_adapters.prompting import build_prompt, parse_action
 
 from .contract import ENV_ERROR, ENV_ERROR_DETAIL, FAULT_ROW
-from .guided import turn_guide
+from .guided import teacher_sampling_params, turn_guide
 
 __all__ = ["EnvAgentLoop", "AGENT_NAME", "SAMPLE_FIELDS"]
 
@@ -137,8 +137,8 @@ def _sample_field(kwargs: Mapping[str, Any], name: str, default: Any = None) -> 
 
 
 def _policy_versions(steps: list[dict[str, Any]], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The weight versions (``min/max_global_steps``) a Guided-OPD teacher turn reports: the teacher's server reports
-    none, and verl's step metrics need one on every row. The policy turns' of the episode (min and max over them);
+    """The weight versions (``min/max_global_steps``) of a Guided-OPD teacher turn or an env-fault placeholder: no
+    policy server reported them, and verl's step metrics need one on every row. The policy turns' of the episode (min and max over them);
     with none, ``global_steps - 1`` (what a synchronous policy server reports while rolling out step ``global_steps``:
     the trainer pushes version k at the end of step k)."""
     own = [s["server_extra"] for s in steps if not s["extra"].get("by_teacher")]
@@ -312,9 +312,9 @@ class EnvAgentLoop(AgentLoopBase):
                 metrics: dict[str, Any] = {}
                 by_teacher = guide is not None and guide.teacher_turn()  # Guided-OPD: the teacher writes this turn
                 with simple_timer("generate_sequences", metrics):
-                    if by_teacher:
-                        out = await self._generate(prompt_ids, sampling_params, uuid4().hex, int(priority),
-                                                   server=guide.client)
+                    if by_teacher:  # the policy's turn budget (the teacher's server alone allows one token)
+                        params = teacher_sampling_params(sampling_params, self.rollout_config, len(prompt_ids))
+                        out = await self._generate(prompt_ids, params, uuid4().hex, int(priority), server=guide.client)
                     else:
                         out = await self._generate(prompt_ids, sampling_params, request_id, int(priority))
                 metrics["num_preempted"] = out.num_preempted if out.num_preempted is not None else -1
@@ -380,7 +380,8 @@ class EnvAgentLoop(AgentLoopBase):
         for i, s in enumerate(steps):
             extra = dict(s["extra"], success=success, truncated=not done,
                          reward_extra_info=dict(reward_extra_info), **error)
-            extra.update(versions if s["extra"].get("by_teacher") else
+            # a teacher turn and a fault placeholder have no policy server's versions: the episode's
+            extra.update(versions if s["extra"].get("by_teacher") or s["extra"].get(FAULT_ROW) else
                          {k: s["server_extra"].get(k) for k in _SERVER_KEYS})
             last = i == len(steps) - 1
             outputs.append(AgentLoopOutput(
