@@ -36,7 +36,7 @@ import subprocess
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -340,6 +340,24 @@ class EnvExecutor:
             return self._pool.submit(self._start, handle).result(self.start_timeout_s)
         except Exception as exc:
             raise handle._fault(exc, "make", self.start_timeout_s) from None
+
+    def adopt(self, env, name: str = "") -> EnvHandle:
+        """A ``thread`` handle around an env built by the caller (never pooled for reuse)."""
+        handle = ThreadHandle(self, name or type(env).__name__, {})
+        handle.env = env
+        return handle
+
+    def run_all(self, calls: Sequence[tuple[EnvHandle, Callable, tuple]]) -> list[Any]:
+        """Run ``fn(env, *args)`` for each ``(handle, fn, args)`` at once on the pool (synchronous callers: the TRL
+        rollouts step all their episodes' envs together); each result, or the :class:`EnvFault` of that call."""
+        futures = [(h, fn, args, self._pool.submit(h._guarded, fn, args, {}, self.timeout_s)) for h, fn, args in calls]
+        out: list[Any] = []
+        for h, fn, args, future in futures:
+            try:
+                out.append(future.result(self.timeout_s))
+            except Exception as exc:  # noqa: BLE001 - every failure of an env call is that env's fault
+                out.append(h._fault(exc, call_name(fn, args), self.timeout_s))
+        return out
 
     def release(self, handle: EnvHandle) -> None:
         """Give a handle back: kept for reuse when healthy (and ``reuse``), else closed (off the caller's thread)."""

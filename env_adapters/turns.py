@@ -2,7 +2,8 @@
 wherever the env lives (one round trip each, picklable by reference for the ``process`` and ``ray`` backends).
 
 * :func:`start` resets (and for a tree's fork restores a snapshot) and returns the first observation;
-* :func:`observe` returns what a prompt needs at the decision state: ``state_key()`` and ``legal_actions()``;
+* :func:`observe` returns what a prompt needs at the decision state: ``state_key()``, ``legal_actions()`` and the
+  task;
 * :func:`act` parses nothing: given the model's action text it computes the decision-state extras (``extras``: a
   function of ``(env, action_text, *extras_args)``, e.g. ASCT's decision table; ``descriptors``: TJPO's descriptor),
   the canonical action, optionally a snapshot of the decision state, then steps.
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-__all__ = ["start", "observe", "act", "counterfactual_row", "Turn"]
+__all__ = ["start", "observe", "act", "counterfactual_row", "Turn", "View"]
 
 
 def start(env, seed: int | None, snapshot: Any = None, require_search: str | None = None) -> tuple[str, str]:
@@ -32,10 +33,18 @@ def start(env, seed: int | None, snapshot: Any = None, require_search: str | Non
     return observation, getattr(env, "task", "")
 
 
-def observe(env) -> tuple[str, list[str] | None]:
-    """``(state_key, legal_actions or None)`` at the decision state."""
+class View(NamedTuple):
+    """The decision state as a prompt reads it: what :func:`observe` returns."""
+
+    state_key: str
+    legal: list[str] | None  # None: the env has no legal_actions()
+    task: str
+
+
+def observe(env) -> View:
+    """The decision state: ``state_key()``, ``legal_actions()`` (None without it) and the ``task`` text."""
     legal = getattr(env, "legal_actions", None)
-    return env.state_key(), (list(legal()) if callable(legal) else None)
+    return View(env.state_key(), list(legal()) if callable(legal) else None, getattr(env, "task", ""))
 
 
 class Turn(NamedTuple):

@@ -30,7 +30,8 @@ def _play(handle_or_env, seed, actions_from=0, sync=True):
     call = handle_or_env.apply_sync
     obs, task = call(turns.start, seed)
     for t in range(6):
-        key, legal = call(turns.observe)
+        view = call(turns.observe)
+        key, legal = view.state_key, view.legal
         turn = call(turns.act, legal[(t + actions_from) % len(legal)])
         trace.append((key, turn.action_key, turn.result.reward))
         if turn.result.done:

@@ -412,3 +412,67 @@ def test_sampled_evaluation_is_reproducible_and_leaves_the_callers_stream_alone(
     assert texts[0] == texts[1] and runs[0].success_rate == runs[1].success_rate
     other = evaluate(model, tok, "minigrid", ABS, sampling_seed=6, **kw)
     assert [[t.response for t in e.turns] for e in other.episodes] != texts[0]  # the seed does choose the stream
+
+
+# ---- env faults (env_adapters.executor) ----------------------------------------------------------------------------
+def _faulty(faults, **more):
+    return {"env": "minigrid", "env_options": dict(ABS), "faults": faults, "hang_s": 3.0, **more}
+
+
+def test_env_faults_in_a_real_grpo_step_are_contained_and_counted(tiny, tmp_path):
+    """A real GRPOTrainer step (GiGPO credit) over two groups of the ``faulty`` MiniGrid: seed 3's env raises at
+    turn 1, seed 4's plays clean. The step trains; seed 3's episodes keep their turn-0 rows, end truncated and
+    failed with ``env_error``; seed 4's rows are a clean run's; the step's rollout metrics count the faults; with the
+    limit below the fault share the step stops naming the env, the seed and the traceback."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from agentcredit.trl import make_trainer
+
+    model, tok, _ = tiny
+
+    def run(limit, out):
+        rollout = TurnRollout("faulty", _faulty({3: "raise@1"}), max_turns=6, max_new_tokens=6,
+                              max_env_error_rate=limit)
+        args = GRPOConfig(output_dir=str(out), max_steps=1, num_generations=12, per_device_train_batch_size=24,
+                          max_completion_length=8, report_to="none", logging_steps=1, use_cpu=True, bf16=False,
+                          save_strategy="no", temperature=1.0)
+        trainer = make_trainer(GRPOTrainer, credit="gigpo")(
+            model=model, processing_class=tok, reward_funcs=[rollout.reward_func], rollout_func=rollout,
+            train_dataset=TurnRollout.dataset([3, 4]), args=args)
+        trainer.train()
+        return rollout, trainer
+
+    rollout, trainer = run(0.5, tmp_path / "a")
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 1 and math.isfinite(losses[0])
+    faulted = [e for e in rollout.last_episodes if e.seed == 3]
+    clean = [e for e in rollout.last_episodes if e.seed == 4]
+    assert len(faulted) == len(clean) == 2
+    for ep in faulted:
+        assert ep.env_error == "error" and "InjectedFault" in ep.env_error_detail and "seed=3" in ep.env_error_detail
+        assert len(ep.turns) == 1 and ep.truncated and not ep.success
+    assert all(not ep.env_error and ep.turns for ep in clean)
+    m = rollout.metrics()
+    assert m["env_errors"] == 2 and m["env_timeouts"] == 0 and m["env_error_rate"] == 0.5
+    logged = [h for h in trainer.state.log_history if "agentcredit/rollout/env_errors" in h]
+    assert logged and logged[0]["agentcredit/rollout/env_errors"] == 2
+
+    with pytest.raises(RuntimeError, match=r"2 of 4 episodes .*'faulty'.*seed=3.*InjectedFault"):
+        run(0.25, tmp_path / "b")
+
+
+def test_a_hanging_env_times_out_and_its_env_is_replaced(tiny):
+    """``env_timeout_s``: seed 3's step hangs at turn 0; its episodes end as ``timeout`` with no turn and their envs
+    are replaced in the rollout's pool (they may still be mid-step); the next call plays clean envs."""
+    model, tok, _ = tiny
+    G = 12
+    rollout = TurnRollout("faulty", _faulty({3: "hang@0"}), max_turns=6, max_new_tokens=6, env_timeout_s=0.5,
+                          max_env_error_rate=1.0)
+    before = list(rollout._envs(2))
+    rollout(list(TurnRollout.dataset([3] * G)["prompt"]), _trainer(model, tok, G))
+    assert [(e.env_error, len(e.turns), e.truncated) for e in rollout.last_episodes] == [("timeout", 0, True)] * 2
+    assert rollout.metrics()["env_timeouts"] == 2
+    after = rollout._envs(2)
+    assert all(a is not b for a, b in zip(after, before))
+    out = rollout(list(TurnRollout.dataset([4] * G)["prompt"]), _trainer(model, tok, G))
+    assert all(not e.env_error for e in rollout.last_episodes) and len(out["prompt_ids"]) == G

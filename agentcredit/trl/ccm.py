@@ -48,7 +48,6 @@ from .rollouts import (
     TranscriptContext,
     TurnRecord,
     TurnRollout,
-    legal_actions,
     play_episodes,
 )
 
@@ -94,10 +93,10 @@ class MemoryContext(TranscriptContext):
         self.tracks: list[MemoryTrack | None] = [None] * n_episodes
         self.teacher_ids: list[list[int]] = [[] for _ in range(n_episodes)]
 
-    def prompt_ids(self, i: int, env, observation: str) -> list[int]:
+    def prompt_ids(self, i: int, view, observation: str) -> list[int]:
         if self.tracks[i] is None:
-            self.tracks[i] = MemoryTrack(task=getattr(env, "task", ""))
-        legal = legal_actions(env)
+            self.tracks[i] = MemoryTrack(task=view.task)
+        legal = view.legal
         tok, track = self.tokenizer, self.tracks[i]
         self.teacher_ids[i] = tok(_chat(tok, track.teacher_prompt(observation, legal), self.system, ACTION_PREFIX),
                                   add_special_tokens=False)["input_ids"]

@@ -39,7 +39,10 @@ import torch
 
 from credit_plugins.hashing import stable_hash
 
+from env_adapters import turns
+from env_adapters.executor import EnvExecutor, EnvFault, shared_executor
 from env_adapters.prompting import build_prompt, parse_action
+from env_adapters.turns import View
 
 from .generation import ACTION_STOP, HFGenerator, TurnSampling, rollout_generator, sampling_logprobs
 
@@ -117,6 +120,8 @@ class Episode:
     turns: list[TurnRecord] = field(default_factory=list)
     success: bool = False
     truncated: bool = False
+    env_error: str = ""         # the env fault that ended the episode ("" none; "error", "timeout", "dead")
+    env_error_detail: str = ""  # its summary and traceback
 
     @property
     def total_reward(self) -> float:
@@ -139,9 +144,9 @@ class TranscriptContext:
         self.tokenizer, self.prompt, self.history_length, self.system = tokenizer, prompt, history_length, system
         self.history: list[list[tuple[str, str | None]]] = [[] for _ in range(n_episodes)]
 
-    def prompt_ids(self, i: int, env, observation: str) -> list[int]:
-        """Episode ``i``'s prompt token ids at ``observation``."""
-        task, legal = getattr(env, "task", ""), legal_actions(env)
+    def prompt_ids(self, i: int, view: View, observation: str) -> list[int]:
+        """Episode ``i``'s prompt token ids at ``observation`` (``view``: the env's task and legal actions there)."""
+        task, legal = view.task, view.legal
         user = (compact_prompt(task, observation, legal) if self.prompt == "compact"
                 else build_prompt(task, self.history[i], observation, legal, self.history_length))
         return self.tokenizer(chat_text(self.tokenizer, user, self.system), add_special_tokens=False)["input_ids"]
@@ -158,7 +163,8 @@ def play_episodes(model, tokenizer, specs: Sequence[tuple[Any, int | None]], *, 
                   min_p: float | None = None, greedy: bool = False, prompt: str = "compact",
                   history_length: int = 0, system: str | None = None, batch_size: int = 64,
                   before_step=None, guide: tuple[Any, float] | None = None,
-                  context: type[TranscriptContext] = TranscriptContext, generator=None) -> list[Episode]:
+                  context: type[TranscriptContext] = TranscriptContext, generator=None,
+                  envs: EnvExecutor | None = None) -> list[Episode]:
     """Play one episode per ``(env, seed)`` in ``specs`` (distinct env instances), all of them batched turn by turn.
 
     Each turn the prompts of all running episodes are generated together by ``generator``
@@ -173,6 +179,11 @@ def play_episodes(model, tokenizer, specs: Sequence[tuple[Any, int | None]], *, 
     those turns have ``by_teacher=True`` and ``logprobs=None``.
     ``context``: what each prompt holds and how a turn is recorded (:class:`TranscriptContext`, built with
     ``prompt`` / ``history_length`` / ``system``; CCM's memory context: :class:`agentcredit.trl.ccm.MemoryContext`).
+    ``envs``: the :class:`~env_adapters.executor.EnvExecutor` whose thread pool runs the episodes' env calls (reset,
+    the per-turn queries and step) all at once, with its ``timeout_s`` (default: a shared pool, no timeout). An env
+    call that raises, times out or dies ends that episode only: ``truncated``, not ``success``, with the turns it
+    played, ``Episode.env_error`` set (the turn of the faulted call is not recorded). ``before_step`` runs on this
+    thread with the env objects (ASCT's evaluator, descriptors), outside that guard.
     """
     if max_turns < 1 or max_new_tokens < 1 or batch_size < 1:
         raise ValueError("max_turns, max_new_tokens and batch_size must be >= 1")
@@ -185,16 +196,39 @@ def play_episodes(model, tokenizer, specs: Sequence[tuple[Any, int | None]], *, 
     teacher = HFGenerator(guide[0], tokenizer, batch_size=batch_size, eos=gen.eos) if guide is not None else None
 
     episodes = [Episode(seed=seed) for _, seed in specs]
-    obs = [env.reset(seed) for env, seed in specs]
-    live = list(range(len(specs)))
+    # every env call of the episodes runs at once on the env executor, each with its timeout; a fault ends that
+    # episode only (truncated and failed, with the turns it played; Episode.env_error names it)
+    ex = envs if envs is not None else shared_executor(backend="thread", workers=64, timeout_s=None)
+    handles = [ex.adopt(env) for env, _ in specs]
+    obs: list[Any] = [None] * len(specs)
+
+    def each(idx: list[int], fn, args: list[tuple]) -> list[int]:
+        """Run ``fn`` on the envs of episodes ``idx``; keep the results, end the faulted episodes; the ok ones."""
+        ok = []
+        for i, value in zip(idx, ex.run_all([(handles[i], fn, a) for i, a in zip(idx, args)])):
+            if isinstance(value, EnvFault):
+                value.seed = episodes[i].seed
+                episodes[i].env_error, episodes[i].env_error_detail = value.kind, f"{value.summary()}\n{value.detail}"
+                episodes[i].truncated = True
+            else:
+                results[i] = value
+                ok.append(i)
+        return ok
+
+    results: list[Any] = [None] * len(specs)
+    live = each(list(range(len(specs))), turns.start, [(seed,) for _, seed in specs])
+    for i in live:
+        obs[i] = results[i][0]
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad(), torch.autocast("cpu", enabled=False):
             for t in range(max_turns):
+                live = each(live, turns.observe, [()] * len(live))
                 if not live:
                     break
-                prompt_ids = [ctx.prompt_ids(i, specs[i][0], obs[i]) for i in live]
+                views = {i: results[i] for i in live}
+                prompt_ids = [ctx.prompt_ids(i, views[i], obs[i]) for i in live]
                 by_teacher = [False] * len(live)
                 if guide is not None and guide[1] > 0.0:
                     by_teacher = (torch.rand(len(live)) < float(guide[1])).tolist()
@@ -207,14 +241,16 @@ def play_episodes(model, tokenizer, specs: Sequence[tuple[Any, int | None]], *, 
                 if before_step is not None:
                     turn_extras = before_step([specs[i][0] for i in live], prompt_ids,
                                               [parse_action(ctx.prefill + text) for _, text, _ in outs])
+                responses = [ctx.prefill + text for _, text, _ in outs]
+                acted = set(each(live, turns.act, [(parse_action(r),) for r in responses]))
                 still = []
-                for i, p_ids, (c_ids, text, lps), extras, b_t in zip(live, prompt_ids, outs, turn_extras, by_teacher):
-                    env = specs[i][0]
-                    state = stable_hash(env.state_key())
-                    response = ctx.prefill + text
+                for i, p_ids, (c_ids, _, lps), response, extras, b_t in zip(live, prompt_ids, outs, responses,
+                                                                           turn_extras, by_teacher):
+                    if i not in acted:  # the env faulted on this turn: the episode ends with the turns it played
+                        continue
+                    state = stable_hash(views[i].state_key)
                     action_text = parse_action(response)
-                    key = env.action_key(action_text) if action_text is not None else None
-                    res = env.step(action_text)
+                    key, res = results[i].action_key, results[i].result
                     episodes[i].turns.append(ctx.record(i, obs[i], dict(
                         t=t, prompt_ids=list(p_ids), completion_ids=list(c_ids), response=response,
                         action_text=action_text, action_key=key, state=state,
@@ -231,6 +267,24 @@ def play_episodes(model, tokenizer, specs: Sequence[tuple[Any, int | None]], *, 
     for i in live:
         episodes[i].truncated = True
     return episodes
+
+
+def env_fault_stats(episodes: Sequence[Episode]) -> dict[str, float]:
+    """``env_errors`` (episodes whose env raised, hung or died), ``env_timeouts`` (those that hung) and
+    ``env_error_rate`` (their share)."""
+    faulted = [e for e in episodes if e.env_error]
+    return {"env_errors": float(len(faulted)), "env_timeouts": float(sum(e.env_error == "timeout" for e in faulted)),
+            "env_error_rate": len(faulted) / len(episodes) if episodes else 0.0}
+
+
+def check_env_errors(episodes: Sequence[Episode], limit: float, env: str) -> None:
+    """A ``RuntimeError`` naming the env, the seed and the first traceback when more than ``limit`` of the episodes
+    had an env fault (the run stops instead of training on what is left)."""
+    faulted = [e for e in episodes if e.env_error]
+    if faulted and len(faulted) / len(episodes) > limit:
+        raise RuntimeError(f"agentcredit: {len(faulted)} of {len(episodes)} episodes of this step had an env fault "
+                           f"({env!r}), more than agentcredit.max_env_error_rate={limit}; stopping instead of "
+                           f"training on the rest. The first one: {faulted[0].env_error_detail}")
 
 
 def _stats(episodes: Sequence[Episode]) -> dict[str, float]:
@@ -287,12 +341,19 @@ class TurnRollout:
 
     def __init__(self, env: str, env_options: dict | None = None, max_turns: int = 6, max_new_tokens: int = 8,
                  prompt: str = "compact", history_length: int = 0, system: str | None = None,
-                 batch_size: int = 64, *, archive: str | None = None, descriptors: bool = False):
+                 batch_size: int = 64, *, archive: str | None = None, descriptors: bool = False,
+                 env_timeout_s: float | None = 120.0, env_workers: int = 64, max_env_error_rate: float = 0.25):
         if prompt not in ("compact", "verl-agent"):
             raise ValueError(f"prompt={prompt!r}; choose 'compact' or 'verl-agent'")
         if max_turns < 1 or max_new_tokens < 1:
             raise ValueError("max_turns and max_new_tokens must be >= 1")
+        if not 0.0 <= float(max_env_error_rate) <= 1.0:
+            raise ValueError(f"max_env_error_rate={max_env_error_rate}; use a share in [0, 1] (1: never stop)")
         import env_adapters
+
+        #: runs the envs' calls at once with a timeout (env_adapters.executor); faults end single episodes
+        self.envs = EnvExecutor("thread", workers=env_workers, timeout_s=env_timeout_s, reuse=False)
+        self.max_env_error_rate = float(max_env_error_rate)
 
         self.env_name, self.env_options = env, dict(env_options or {})
         self.max_turns, self.max_new_tokens = int(max_turns), int(max_new_tokens)
@@ -400,7 +461,7 @@ class TurnRollout:
             for _ in range(G - n):
                 row([eos], [eos], [0], -1, 0, 0, -1, 0.0, False, False, False)
         self.last_episodes = episodes
-        self._metrics = {**_stats(episodes), "rollout_seconds": time.perf_counter() - t0}
+        self._metrics = {**_stats(episodes), **env_fault_stats(episodes), "rollout_seconds": time.perf_counter() - t0}
         return out
 
     def _answer_budget(self, tokenizer, args, seed: int | None) -> int:
@@ -431,8 +492,15 @@ class TurnRollout:
         return over
 
     def _play(self, model, tokenizer, specs, **kwargs) -> list[Episode]:
-        """The episode engine: :func:`play_episodes` in this rollout's :attr:`context`."""
-        return play_episodes(model, tokenizer, specs, context=self.context, **kwargs)
+        """The episode engine: :func:`play_episodes` in this rollout's :attr:`context` and env executor. The env of
+        an episode that faulted is replaced in the pool (it may be mid-step in an abandoned thread); more than
+        ``max_env_error_rate`` of faulted episodes stops the run."""
+        episodes = play_episodes(model, tokenizer, specs, context=self.context, envs=self.envs, **kwargs)
+        for k, ep in enumerate(episodes):
+            if ep.env_error:
+                self._pool[self._pool.index(specs[k][0])] = self._make()
+        check_env_errors(episodes, self.max_env_error_rate, self.env_name)
+        return episodes
 
     def _before_step(self, model, tokenizer, trainer):
         """The per-turn hook of :func:`play_episodes` (None here; subclasses add per-row extras)."""

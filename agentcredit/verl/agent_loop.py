@@ -293,7 +293,8 @@ class EnvAgentLoop(AgentLoopBase):
             history: list[tuple[str, str | None]] = []
             track = MemoryTrack(task=task) if self.context == "memory" else None
             for t in range(max_steps):
-                anchor, actions = await handle.apply(turns.observe)
+                view = await handle.apply(turns.observe)
+                anchor, actions = view.state_key, view.legal
                 ccm: dict[str, Any] = {}
                 if track is None:
                     user = build_prompt(task, history, observation, actions, self.history_length)

@@ -103,8 +103,9 @@ class TreeAgentLoop(EnvAgentLoop):
             request_id = uuid4().hex
             params = dict(sampling_params, logprobs=True)
             while True:
-                anchor, legal = await handle.apply(turns.observe)
-                prompt = build_prompt(task, [], observation, legal, 0)
+                view = await handle.apply(turns.observe)
+                anchor = view.state_key
+                prompt = build_prompt(task, [], observation, view.legal, 0)
                 prompt_ids = await self.ct_build_initial_tokens(system + [{"role": "user", "content": prompt}])
                 out = await self._generate(prompt_ids, params, request_id, int(priority))
                 ids = list(out.token_ids[: self.response_length]) or [self._filler_token()]
