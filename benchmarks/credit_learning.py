@@ -109,7 +109,9 @@ def one_run(cfg: argparse.Namespace, common: list[str], work: Path, ckpt: str, m
     # a finished run is reused only if it trained the same number of steps (the folder is keyed by method and seed)
     if not summary.exists() or json.loads(summary.read_text()).get("steps") != cfg.steps:
         t0 = time.time()
-        rc = _cli(["train", str(cfg.recipe), *common, "--max-steps", str(cfg.steps), f"model_name_or_path={ckpt}",
+        # --overwrite: the folder may hold this method and seed's run of another step count, replaced on purpose
+        rc = _cli(["train", str(cfg.recipe), *common, "--overwrite", "--max-steps", str(cfg.steps),
+                   f"model_name_or_path={ckpt}",
                    f"output_dir={out}", f"seed={seed}", f"agentcredit.credit={method}", "agentcredit.eval.before=false"],
                   work / f"{method}_s{seed}.log", cfg.threads)
         print(f"  {method:>9} seed {seed}: rc {rc}, {time.time() - t0:.0f} s", flush=True)

@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         archive.unlink(missing_ok=True)
         over = [*args.overrides, *extra, f"output_dir={out / name}", f"agentcredit.eval.before={str(i == 0 and not args.no_before).lower()}",
                 f"agentcredit.rollout_options.archive={archive}"]
-        res = train.run(load_recipe(recipe_path, over), max_steps=args.steps)
+        # overwrite: each method's folder holds the last benchmark run's result, replaced on purpose
+        res = train.run(load_recipe(recipe_path, over), max_steps=args.steps, overwrite=True)
         if res.before is not None:
             results["before"] = {"success": res.before.success_rate, "ci": list(res.before.success_ci),
                                  "valid": res.before.valid_rate}

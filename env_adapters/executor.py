@@ -279,6 +279,7 @@ class EnvExecutor:
         self._idle_lock = threading.Lock()
         self.counts = {"built": 0, "reused": 0, **{kind: 0 for kind in FAULT_KINDS}}
         self._logged: set[str] = set()
+        self.closed = False
 
     def _count(self, fault: EnvFault) -> None:
         self.counts[fault.kind] += 1
@@ -375,6 +376,7 @@ class EnvExecutor:
         for handle in idle:
             handle.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.closed = True
 
 
 _SHARED: dict[str, EnvExecutor] = {}
@@ -387,6 +389,6 @@ def shared_executor(**settings: Any) -> EnvExecutor:
     key = json.dumps(settings, sort_keys=True, default=repr)
     with _SHARED_LOCK:
         executor = _SHARED.get(key)
-        if executor is None:
+        if executor is None or executor.closed:
             executor = _SHARED[key] = EnvExecutor(**settings)
         return executor

@@ -50,7 +50,7 @@ class FaultyEnv:
         faults: ``{seed: "<raise|hang|exit>@<turn>"}``; the key ``"*"`` applies to every seed not named.
         hang_s: how long a hang lasts.
         step_sleep_s: seconds every step sleeps (GIL released).
-        step_busy_s: seconds every step computes in Python (GIL held).
+        step_busy_s: CPU seconds every step computes in Python (GIL held).
     """
 
     def __init__(self, env: str = "synthetic", env_options: Mapping[str, Any] | None = None,
@@ -83,9 +83,9 @@ class FaultyEnv:
         t, self.turn = self.turn, self.turn + 1
         if self.step_sleep_s:
             time.sleep(self.step_sleep_s)
-        if self.step_busy_s:
-            end = time.perf_counter() + self.step_busy_s
-            while time.perf_counter() < end:
+        if self.step_busy_s:  # CPU time of this thread, so the work is the same however the cores are shared
+            end = time.thread_time() + self.step_busy_s
+            while time.thread_time() < end:
                 pass
         if self.fault is not None and self.fault[1] == t:
             kind = self.fault[0]

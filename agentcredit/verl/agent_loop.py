@@ -62,8 +62,24 @@ response tokens with ``response_mask`` 1 (at most ``rollout.response_length``), 
     valid        the action was admissible (bool)
     by_teacher   Guided-OPD's teacher wrote this turn (bool; its response_mask is all 0; agentcredit.verl.guided)
     signature    MVPO's viability signature: ``anchor_key|d<3 * (t // 3)>`` (the state and its depth bin)
+    env_error / env_error_detail / env_fault_row   the env fault of the episode (see below; "" / "" / False)
     min_global_steps / max_global_steps   the rollout server's weight versions (None when it reports none)
     reward_extra_info   {"success": 0/1, "episode_return": sum r_t, "episode_steps": T}
+
+Env work and faults
+-------------------
+The loop never calls the env on verl's event loop (all the worker's sessions share it): every env call goes through
+:attr:`EnvAgentLoop.envs`, the worker process's :class:`env_adapters.executor.EnvExecutor` for the loop options
+``env_backend`` (``thread`` | ``process`` | ``ray``), ``env_workers`` (pool threads, 128), ``env_timeout_s`` (per call,
+120), ``env_start_timeout_s`` (per build, 600), ``env_reuse`` (reset a released env for the next session of the same
+env and options, default true) and ``env_backend_options``. A turn costs three round trips: the view (state key,
+legal actions, task), the generation, and one call that computes the action key and the decision-state extras, then
+steps (:mod:`env_adapters.turns`). An :class:`~env_adapters.executor.EnvFault` (the env raised, hung past its
+timeout, or its process / actor died) ends the episode: its rows so far are kept with their rewards, every row gets
+``truncated`` true, ``success`` false, ``env_error`` (the kind) and ``env_error_detail`` (env, seed, call and
+traceback); the turn whose env call faulted is not recorded. An episode whose env failed before its first turn
+returns one placeholder row (``env_fault_row`` true, response_mask 0) so the session is never silently missing; the
+credit bridge drops it like padding. Configuration errors (an unknown env or option) are not faults: they raise.
 
 Every row carries the same keys (verl's batch balancing copies the first row's ``extra_fields`` into its padding
 rows, and the credit bridge requires a contract key on all rows or none). ``reward_score`` of the final output is
@@ -175,6 +191,8 @@ class EnvAgentLoop(AgentLoopBase):
         descriptors: attach the ``descriptor`` extra field of every step (TJPO; :mod:`env_adapters.descriptors`).
         context: ``"transcript"`` (the last ``history_length`` steps in each prompt) or ``"memory"`` (CCM: task,
             retained memory and newest observation; see the module docstring).
+        env_backend, env_workers, env_timeout_s, env_start_timeout_s, env_reuse, env_backend_options: the env
+            executor (see the module docstring).
     """
 
     CONTEXTS = ("transcript", "memory")
