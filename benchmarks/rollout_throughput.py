@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import importlib.util
 import os
-import random
 import sys
 import tempfile
 import time
@@ -161,20 +160,6 @@ def _env_specs(tmp: str) -> dict[str, tuple[dict, int]]:
     return specs
 
 
-def _random_steps(env, seed: int, steps: int, rng_seed: int) -> int:
-    """Reset, then ``steps`` random legal actions (resetting when an episode ends); runs where the env lives."""
-    rng = random.Random(rng_seed)
-    env.reset(seed)
-    done = 0
-    while done < steps:
-        legal = env.legal_actions()
-        result = env.step(legal[rng.randrange(len(legal))])
-        done += 1
-        if result.done:
-            env.reset(seed)
-    return done
-
-
 def part_envs(args) -> None:
     print(f"\npart envs: {args.sessions_envs} envs stepped at once, {args.env_steps} random legal steps each")
     print(f"{'env':<18} {'backend':<8} {'build s':>8} {'steps/s':>9}")
@@ -191,9 +176,9 @@ def part_envs(args) -> None:
                     ex.run_all([(h, turns.start, (seed,)) for h in handles])
                     t0 = time.perf_counter()
                     if backend == "inline":
-                        done = sum(_random_steps(h.env, seed, args.env_steps, k) for k, h in enumerate(handles))
+                        done = sum(turns.play_random(h.env, seed, args.env_steps, k) for k, h in enumerate(handles))
                     else:
-                        done = sum(ex.run_all([(h, _random_steps, (seed, args.env_steps, k))
+                        done = sum(ex.run_all([(h, turns.play_random, (seed, args.env_steps, k))
                                                for k, h in enumerate(handles)]))
                     rate = done / (time.perf_counter() - t0)
                     print(f"{name:<18} {backend:<8} {build:>8.2f} {rate:>9.0f}", flush=True)

@@ -127,6 +127,10 @@ class AlfWorldAdapter:
         invalid_penalty: reward of a step whose command is missing or not admissible (the state does not change).
     """
 
+    #: TextWorld's grammar parser is one module-level object: two threads calling it at once corrupt it
+    #: (env_adapters.executor runs such envs' calls one at a time on its thread backend)
+    thread_safe = False
+
     def __init__(self, data_dir: str | None = None, split: str = "train", task_types=(1, 2, 3, 4, 5, 6),
                  num_games: int = -1, seed: int | None = None, state_key: str = "crbc",
                  success_reward: float = 10.0, invalid_penalty: float = INVALID_PENALTY):

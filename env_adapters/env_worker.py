@@ -20,6 +20,9 @@ def serve(read_fd: int, write_fd: int) -> None:
             message = inbox.recv()
         except EOFError:
             return
+        except Exception:  # noqa: BLE001 - a message that cannot be unpickled here (e.g. a function of __main__)
+            outbox.send(("error", traceback.format_exc()))
+            continue
         if message is None:
             break
         try:

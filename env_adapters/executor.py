@@ -7,7 +7,9 @@ that loop: one env step of E seconds would stall every session of the worker. :c
 
 * ``thread`` (default): the env lives in the caller's process; its calls run on the executor's own thread pool
   (``workers`` threads; never the loop's default executor, which verl uses for tokenisation). Right for envs whose
-  steps release the GIL (a JVM game, a search backend, a subprocess) and for cheap Python envs.
+  steps release the GIL (a JVM game, a search backend, a subprocess) and for cheap Python envs. An adapter that sets
+  ``thread_safe = False`` (ALFWorld, TextWorld: TextWorld's grammar parser is one module-level object that two
+  threads corrupt) has its calls run one at a time; the ``process`` backend runs such envs in parallel.
 * ``process``: each env instance lives in a worker process of its own (``python -m env_adapters.env_worker``), fed
   over a pipe. GIL-bound Python envs then scale with cores, and an env that segfaults, leaks or hangs is killed and
   replaced without touching the caller.
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import contextlib
 import json
 import logging
 import os
@@ -41,7 +44,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 __all__ = ["EnvExecutor", "EnvHandle", "EnvFault", "FAULT_KINDS", "BACKENDS", "register_backend", "call_method",
-           "call_name", "build_env", "shared_executor"]
+           "call_name", "build_env", "shared_executor", "thread_safe"]
 
 logger = logging.getLogger("agentcredit")
 
@@ -152,17 +155,34 @@ def build_env(name: str, options: Mapping[str, Any]):
     return env_adapters.make(name, **dict(options))
 
 
+#: held around every call of an env that is not thread-safe on the thread backend (one lock for all of them: ALFWorld
+#: and TextWorld share TextWorld's module-level grammar parser)
+_NOT_THREAD_SAFE = threading.RLock()
+
+
+def thread_safe(obj) -> bool:
+    """Whether an env (or its factory) may be called from several threads at once: its ``thread_safe`` attribute,
+    True when it has none."""
+    return bool(getattr(obj, "thread_safe", True))
+
+
 class ThreadHandle(EnvHandle):
-    """The env in this process; its calls on the executor's thread pool. A call past its timeout is abandoned (its
-    thread runs on until the env returns) and the env is never used again."""
+    """The env in this process; its calls on the executor's thread pool (one at a time across all envs that are not
+    :func:`thread_safe`). A call past its timeout is abandoned (its thread runs on until the env returns) and the env
+    is never used again."""
 
     env: Any = None
 
     def _start(self) -> None:
-        self.env = build_env(self.name, self.options)
+        from credit_plugins import registry
+
+        factory = registry.get(self.name, kind="envs").factory
+        with contextlib.nullcontext() if thread_safe(factory) else _NOT_THREAD_SAFE:
+            self.env = build_env(self.name, self.options)
 
     def _run(self, fn, args, kwargs, timeout):
-        return fn(self.env, *args, **kwargs)
+        with contextlib.nullcontext() if thread_safe(self.env) else _NOT_THREAD_SAFE:
+            return fn(self.env, *args, **kwargs)
 
     def close(self) -> None:
         closer = getattr(self.env, "close", None)

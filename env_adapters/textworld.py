@@ -141,6 +141,10 @@ class TextWorldAdapter:
         invalid_penalty: reward of a step without an admissible command (the state does not change).
     """
 
+    #: TextWorld's grammar parser is one module-level object: two threads calling it at once corrupt it
+    #: (env_adapters.executor runs such envs' calls one at a time on its thread backend)
+    thread_safe = False
+
     def __init__(self, world_size: int = 3, nb_objects: int = 5, quest_length: int = 3, seed: int | None = None,
                  cache_dir: str | None = None, score_reward: float = 1.0, success_reward: float = 10.0,
                  invalid_penalty: float = INVALID_PENALTY):

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-__all__ = ["start", "observe", "act", "counterfactual_row", "Turn", "View"]
+__all__ = ["start", "observe", "act", "counterfactual_row", "play_random", "Turn", "View"]
 
 
 def start(env, seed: int | None, snapshot: Any = None, require_search: str | None = None) -> tuple[str, str]:
@@ -79,3 +79,17 @@ def counterfactual_row(env, action_text: str | None, evaluator, invalid_utility:
     values = evaluator.evaluate(env)
     n = len(values.actions)
     return decision_row(env, values, action_text, [1.0 / n] * n, n + 1, invalid_utility)
+
+
+def play_random(env, seed: int | None, steps: int, rng_seed: int) -> int:
+    """Reset to ``seed``, then ``steps`` uniformly random legal actions (a ``random.Random(rng_seed)`` stream),
+    resetting when an episode ends; returns the steps played (the throughput benchmark's workload)."""
+    import random
+
+    rng = random.Random(rng_seed)
+    env.reset(seed)
+    for _ in range(steps):
+        legal = env.legal_actions()
+        if env.step(legal[rng.randrange(len(legal))]).done:
+            env.reset(seed)
+    return steps

@@ -183,3 +183,22 @@ def test_unknown_option_is_a_value_error_naming_it():
     with pytest.raises(ValueError, match="bogus"):
         env_adapters.make("alfworld", bogus=1)
     assert "alfworld" in env_adapters.available()
+
+
+def test_alfworld_envs_played_at_once_on_the_thread_backend_do_not_corrupt_each_other(data_dir):
+    """TextWorld's grammar parser is shared by every ALFWorld env of a process: started and stepped from several
+    threads at once it fails ("pop from empty list"); the adapter says ``thread_safe = False`` and the executor's
+    thread backend runs its calls one at a time."""
+    from env_adapters import turns
+    from env_adapters.executor import EnvExecutor, EnvFault
+
+    ex = EnvExecutor("thread", workers=6, timeout_s=300)
+    try:
+        handles = [ex.acquire_sync("alfworld", {"data_dir": data_dir}) for _ in range(6)]
+        for _ in range(2):
+            started = ex.run_all([(h, turns.start, (k % 2,)) for k, h in enumerate(handles)])
+            assert not [s for s in started if isinstance(s, EnvFault)], started
+            played = ex.run_all([(h, turns.play_random, (k % 2, 5, k)) for k, h in enumerate(handles)])
+            assert played == [5] * 6, played
+    finally:
+        ex.close()

@@ -178,3 +178,23 @@ def test_env_steps_of_concurrent_sessions_overlap_on_the_thread_backend(barrier_
         assert ex.counts["built"] == N and ex.counts["error"] == ex.counts["timeout"] == 0
     finally:
         ex.close()
+
+
+def _not_importable_in_the_worker(env):  # defined in a test module the worker process cannot import by this name
+    return 1
+
+
+def test_a_call_the_worker_cannot_unpickle_is_an_error_and_the_worker_lives_on():
+    import types
+
+    ex = EnvExecutor("process", workers=2)
+    try:
+        h = ex.acquire_sync("synthetic", {})
+        fn = types.FunctionType(_not_importable_in_the_worker.__code__, {}, "nowhere")
+        fn.__module__, fn.__qualname__ = "no_such_module_anywhere", "nowhere"
+        with pytest.raises(EnvFault) as info:
+            h.apply_sync(fn)
+        assert info.value.kind == "error" and "no_such_module_anywhere" in info.value.detail
+        assert h.proc.poll() is None  # the worker process is still alive
+    finally:
+        ex.close()
