@@ -35,6 +35,7 @@ import contextlib
 import json
 import logging
 import os
+import pickle
 import subprocess
 import sys
 import threading
@@ -42,6 +43,8 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
+
+import cloudpickle
 
 __all__ = ["EnvExecutor", "EnvHandle", "EnvFault", "FAULT_KINDS", "BACKENDS", "register_backend", "call_method",
            "call_name", "build_env", "shared_executor", "thread_safe"]
@@ -195,8 +198,10 @@ class ThreadHandle(EnvHandle):
 
 
 class ProcessHandle(EnvHandle):
-    """The env in a worker process of its own (``python -m env_adapters.env_worker``), driven over two pipes. A
-    timeout kills the process; a process that dies (segfault, ``os._exit``, OOM kill) is a ``dead`` fault."""
+    """The env in a worker process of its own (``python -m env_adapters.env_worker``), driven over two pipes. Messages
+    go both ways with cloudpickle (as Ray ships them), so a snapshot that holds a local class (MiniGrid's) or a
+    function of ``__main__`` travels. A timeout kills the process; a process that dies (segfault, ``os._exit``, OOM
+    kill) is a ``dead`` fault."""
 
     proc: subprocess.Popen | None = None
 
@@ -214,11 +219,11 @@ class ProcessHandle(EnvHandle):
 
     def _roundtrip(self, message: tuple, timeout: float | None, call: str) -> Any:
         try:
-            self._send.send(message)
+            self._send.send_bytes(cloudpickle.dumps(message))
             if not self._recv.poll(timeout):
                 self._abort()
                 raise EnvFault("timeout", self.name, call, f"no result within {timeout} s; the worker was killed")
-            status, value = self._recv.recv()
+            status, value = pickle.loads(self._recv.recv_bytes())
         except (EOFError, OSError, BrokenPipeError) as exc:
             code = self.proc.poll() if self.proc is not None else None
             raise EnvFault("dead", self.name, call, f"the env worker process died (exit code {code}): {exc!r}") \
@@ -239,7 +244,7 @@ class ProcessHandle(EnvHandle):
             return
         try:
             if self.proc.poll() is None and not self.broken:
-                self._send.send(None)  # ask the worker to exit
+                self._send.send_bytes(cloudpickle.dumps(None))  # ask the worker to exit
                 self.proc.wait(timeout=5)
         except Exception:  # noqa: BLE001 - the kill below ends it anyway
             pass

@@ -8,6 +8,7 @@ run at once.
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 
 import pytest
@@ -17,7 +18,7 @@ from credit_plugins import registry
 from credit_plugins.hookspecs import hookimpl
 from env_adapters import turns
 from env_adapters.base import EnvSpec
-from env_adapters.executor import EnvExecutor, EnvFault, shared_executor
+from env_adapters.executor import EnvExecutor, EnvFault, call_method, shared_executor
 from env_adapters.synthetic import SyntheticAdapter
 
 BACKENDS = ("thread", "process")
@@ -180,21 +181,50 @@ def test_env_steps_of_concurrent_sessions_overlap_on_the_thread_backend(barrier_
         ex.close()
 
 
-def _not_importable_in_the_worker(env):  # defined in a test module the worker process cannot import by this name
-    return 1
-
-
 def test_a_call_the_worker_cannot_unpickle_is_an_error_and_the_worker_lives_on():
+    """A function of ``__main__`` or a local one travels by value (cloudpickle); a reference to a module the worker
+    cannot import is an ``error`` fault, and the worker process lives on."""
     import types
 
     ex = EnvExecutor("process", workers=2)
     try:
         h = ex.acquire_sync("synthetic", {})
-        fn = types.FunctionType(_not_importable_in_the_worker.__code__, {}, "nowhere")
-        fn.__module__, fn.__qualname__ = "no_such_module_anywhere", "nowhere"
-        with pytest.raises(EnvFault) as info:
-            h.apply_sync(fn)
-        assert info.value.kind == "error" and "no_such_module_anywhere" in info.value.detail
+        assert h.apply_sync(lambda env, k: env.family + str(k), 3) == "rooms3"
+        module = types.ModuleType("agentcredit_module_of_this_process_only")
+        module.Nowhere = type("Nowhere", (), {"__module__": module.__name__})
+        sys.modules[module.__name__] = module  # pickled by reference: the worker has no such module
+        try:
+            with pytest.raises(EnvFault) as info:
+                h.apply_sync(call_method, "reset", module.Nowhere())
+        finally:
+            del sys.modules[module.__name__]
+        assert info.value.kind == "error" and "agentcredit_module_of_this_process_only" in info.value.detail
         assert h.proc.poll() is None  # the worker process is still alive
+        assert h.broken  # ... though this handle is not used again
+    finally:
+        ex.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name, options", [("synthetic", {"family": "keydoor"}), ("minigrid", {"size": 5}),
+                                           ("sokoban", {"size": 6, "num_boxes": 1})])
+def test_snapshots_travel_between_envs_of_a_backend(backend, name, options):
+    """The search loops fork from a decision state's snapshot taken by one env and restored into another (a
+    different worker process on the process backend): the restored env is at the same state and plays on alike."""
+    if name == "minigrid":
+        pytest.importorskip("minigrid")
+    ex = EnvExecutor(backend, workers=4, timeout_s=120)
+    try:
+        a, b = ex.acquire_sync(name, options), ex.acquire_sync(name, options)
+        a.apply_sync(turns.start, 2)
+        for _ in range(2):
+            legal = a.apply_sync(turns.observe).legal
+            turn = a.apply_sync(turns.act, legal[-1], snapshot=True)
+        at = a.apply_sync(turns.observe)  # the state after the last step
+        before = a.apply_sync(turns.act, legal[0], snapshot=True).snapshot  # a snapshot of `at`
+        b.apply_sync(turns.start, 2, before)
+        assert b.apply_sync(turns.observe) == at and turn.snapshot is not None
+        b.apply_sync(turns.act, at.legal[0])
+        assert b.apply_sync(turns.observe) == a.apply_sync(turns.observe)  # both took legal[0] from `at`
     finally:
         ex.close()
