@@ -162,13 +162,14 @@ def test_m1_hand_computed_three_rollouts():
         steps = cp.StepTable(**cols, extras={**extras, "logp_cross": logp_cross, "cross_src": src})
         terms = mod.alignopsd_terms(steps, q)
         r = int(steps.inverse[0])  # sorted position of input row 0 (a0)
-        assert terms.omega[r, :2].tolist() == pytest.approx([w_b, w_c], rel=1e-9)
-        assert float(terms.rho[r]) == pytest.approx(rho, rel=1e-9)
-        assert float(terms.alpha[r]) == pytest.approx(alpha, rel=1e-9)
+        # the similarities are float32 (~6e-8 relative), divided by T_agg = 0.1 in the weights: 1e-6 relative
+        assert terms.omega[r, :2].tolist() == pytest.approx([w_b, w_c], rel=1e-6)
+        assert float(terms.rho[r]) == pytest.approx(rho, rel=1e-6)
+        assert float(terms.alpha[r]) == pytest.approx(alpha, rel=1e-6)
         rect = [(1 - alpha) * -2.0 + alpha * c for c in cross]
-        assert terms.logp_cross[r].tolist() == pytest.approx(cross, rel=1e-9)
-        assert terms.lp_rect[r].tolist() == pytest.approx(rect, rel=1e-9)
-        assert terms.gap[r].tolist() == pytest.approx([rect[0] + 1.5, rect[1] + 1.0], rel=1e-9)
+        assert terms.logp_cross[r].tolist() == pytest.approx(cross, rel=1e-6)
+        assert terms.lp_rect[r].tolist() == pytest.approx(rect, rel=1e-6)
+        assert terms.gap[r].tolist() == pytest.approx([rect[0] + 1.5, rect[1] + 1.0], rel=1e-6)
 
 
 def test_m1_top_k_one_keeps_the_best_source():
@@ -320,7 +321,7 @@ def test_profiles_and_boundary_validity_hand_computed():
     m = (p0 + p1) / 2
     jsd = 0.5 * (np.sum(p0 * np.log(p0 / m)) + np.sum(p1 * np.log(p1 / m))) / math.log(2)
     dist = steps.to_input_order(terms.distance).tolist()
-    assert dist[1] == pytest.approx(jsd, rel=1e-9) and dist[3] == 0.0
+    assert dist[1] == pytest.approx(jsd, abs=1e-6) and dist[3] == 0.0  # float32 profiles
     # one valid distance: theta = clip(jsd, .01, .1)
     assert terms.theta == pytest.approx(min(max(jsd, 0.01), 0.1))
 
@@ -864,8 +865,10 @@ def test_tie_break_does_not_follow_labels():
 @settings(max_examples=25, deadline=None)
 @given(batches(), params_strategy(), st.integers(1, 7))
 def test_chunked_selection_equals_one_chunk(batch, p, chunk_elements):
-    """The source selection, profiles and distances are computed over chunks of target rows; any chunk size gives
-    the same sources and advantages as one chunk holding the whole block."""
+    """The source selection, profiles and distances are computed over chunks (whole groups, or target rows of a
+    group too large for one chunk); any chunk size gives the same sources and advantages as one chunk holding the
+    whole block. Another chunk size changes the shapes of the float32 GEMMs, so the similarities may differ in their
+    last bit (the chunk shapes are a function of the batch's content, never of its labels or row order)."""
     from credit_plugins.estimators import _alignopsd_m1 as m1
     steps = table_for(batch, p)
     old = m1.DEFAULT_CHUNK_ELEMENTS
@@ -876,9 +879,10 @@ def test_chunked_selection_equals_one_chunk(batch, p, chunk_elements):
         small = mod.alignopsd_terms(steps, p)
     finally:
         m1.DEFAULT_CHUNK_ELEMENTS = old
-    assert torch.equal(whole.src, small.src) and torch.equal(whole.sim, small.sim)
-    assert torch.equal(whole.distance, small.distance) and torch.equal(whole.profile_valid, small.profile_valid)
-    assert torch.allclose(whole.advantage, small.advantage, rtol=0, atol=1e-12)
+    assert torch.equal(whole.src, small.src) and torch.allclose(whole.sim, small.sim, rtol=0, atol=1e-6)
+    assert torch.allclose(whole.distance, small.distance, rtol=0, atol=1e-5)
+    assert torch.equal(whole.profile_valid, small.profile_valid)
+    assert torch.allclose(whole.advantage, small.advantage, rtol=0, atol=1e-5)
 
 
 def test_a_group_too_large_for_memory_raises_before_allocating(monkeypatch):

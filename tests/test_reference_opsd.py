@@ -1,13 +1,17 @@
 """The loop references of UniOPSD, AlignOPSD (credit_plugins.reference.opsd) and of the per-token OPD losses
 (distill_plugins.reference) against the vectorised code, on random batches.
 
-Tolerances: the credit estimators compute in float64 from float32/float64 inputs, so their float64 results match the
-references to 1e-9 (relative) and the registered float32 outputs to 1e-5. The OPD losses keep the input precision:
+Tolerances: UniOPSD computes in float64 from float32/float64 inputs, so its float64 results match the reference to
+1e-9 (relative) and the registered float32 outputs to 1e-5. AlignOPSD computes its similarities and profiles in
+float32 (canonical row order, issue 39) against the oracle's exact float64: :func:`assert_agrees_with_oracle` allows a
+decision to differ only where the exact values it compares are within float32 resolution, counts those, and holds
+every other rollout's advantages to 1e-4. The OPD losses keep the input precision:
 on float64 inputs they match to 1e-10; on float32 / bf16 inputs the vectorised code rounds every log-softmax to float32
 (an error of a few ulp of the largest logit, ~1e-6 at |logit| ~ 40) and k3's ``expm1`` grows to e^20, so the bound
 there is 1e-5 absolute *plus* 1e-5 relative (measured: below 2e-6 relative on every function).
 """
 
+import collections
 import dataclasses
 import math
 
@@ -250,6 +254,92 @@ def alignopsd_batches(draw, p, cross=None, max_len=None):
     return cp.StepTable(**cols, extras=extras)
 
 
+SIM_RES = 1e-6  # float32 resolution of a similarity |H| <= 1 (2^-24 per rounding, a few roundings per dot product)
+DIST_TOL = 1e-5  # float32 profile distances against the exact ones
+ADV_TOL = 1e-4  # advantages of the rollouts with no decision within float32 resolution
+MISMATCHES = collections.Counter()  # float32-explained differences met by the AlignOPSD oracle tests (-s prints them)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_mismatches():
+    yield
+    if MISMATCHES["batches"]:
+        print(f"\nAlignOPSD float32 vs exact oracle: {dict(MISMATCHES)}")
+
+
+def _exact_h(steps):
+    """Exact (float64) H[s, t] of every pair, from the unit embeddings (sorted rows)."""
+    def unit(name):
+        e = steps.extra(name).to(torch.float64)
+        n = e.norm(dim=-1, keepdim=True)
+        return e / torch.where(n > 0, n, 1.0)
+    return (unit("emb_teacher") @ unit("emb_student").T).tolist()
+
+
+def _bounds_of(segment, rows_k):
+    ids = [segment[i] for i in rows_k]
+    return [0] + [c for c in range(1, len(ids)) if ids[c] != ids[c - 1]] + [len(ids)]
+
+
+def assert_agrees_with_oracle(steps, p, counts=MISMATCHES):
+    """The float32 estimator against the exact oracle. A decision may differ only where the exact values it
+    compares lie within float32 resolution of each other (two similarities, a similarity and tau_sim, a profile
+    distance and theta or another distance of the same rollout); such differences are counted in ``counts`` and
+    their rollouts left out. Every other rollout: same sources, similarities within SIM_RES, distances within
+    DIST_TOL, the same spans, and advantages within ADV_TOL (relative to 1 + |A|)."""
+    terms = align_mod.alignopsd_terms(steps, p)
+    want = ref.alignopsd_reference_parts(steps, p)
+    n, tau = steps.n_steps, p.tau_sim
+    traj = steps.row_traj.tolist()
+    h = _exact_h(steps)
+    shaky = set()
+    counts["batches"] += 1
+    counts["rows"] += n
+    for t in range(n):
+        got = [s for s in terms.src[t].tolist() if s >= 0]
+        if got != want["src"][t]:
+            j = next(i for i in range(p.top_k) if got[i:i + 1] != want["src"][t][i:i + 1])
+            hs = [h[x[j]][t] for x in (got, want["src"][t]) if j < len(x)]
+            near = (len(hs) == 2 and abs(hs[0] - hs[1]) < SIM_RES) or any(abs(x - tau) < SIM_RES for x in hs)
+            assert near, (t, got, want["src"][t], hs)
+            counts["selection"] += 1
+            shaky.add(traj[t])
+        else:
+            assert all(abs(float(terms.sim[t, i]) - x) <= SIM_RES for i, x in enumerate(want["src_sim"][t]))
+        pv = bool(terms.profile_valid[t])
+        if pv != want["profile_valid"][t]:
+            assert want["best"][t] is not None and abs(want["best"][t] - tau) < SIM_RES, t
+            counts["profile_valid"] += 1
+            shaky.add(traj[t])
+    for t in range(n):
+        if traj[t] in shaky:
+            continue
+        assert bool(terms.boundary_valid[t]) == want["boundary_valid"][t], t
+        assert abs(float(terms.distance[t]) - want["distance"][t]) <= DIST_TOL, t
+    theta, theta_ref = terms.theta, want["theta"]
+    if not (theta == theta_ref or abs(theta - theta_ref) <= DIST_TOL):  # equal infinities: no valid distance
+        # theta reads every rollout: only a validity flip (counted above) may move it
+        assert shaky, (theta, theta_ref)
+        counts["theta"] += 1
+        shaky |= set(traj)
+    seg = terms.segment.tolist()
+    for k, bounds in want["bounds"].items():
+        rows_k = [i for i in range(n) if traj[i] == k]
+        if k in shaky or p.allocation == "flat_turn" or _bounds_of(seg, rows_k) == bounds:
+            continue
+        d = [float(terms.distance[i]) for i in rows_k if bool(terms.boundary_valid[i])]
+        near = any(abs(x - theta) < DIST_TOL or abs(x - p.theta_min) < DIST_TOL for x in d) or any(
+            abs(a - b) < DIST_TOL for i, a in enumerate(d) for b in d[i + 1:])
+        assert near, (k, _bounds_of(seg, rows_k), bounds, d, theta)
+        counts["spans"] += 1
+        shaky.add(k)
+    counts["rollouts_left_out"] += len(shaky)
+    keep = torch.tensor([traj[i] not in shaky for i in range(n)])
+    assert close(terms.advantage[keep], want["advantage"][keep], ADV_TOL)
+    assert close(align_mod.alignopsd(steps, p)[keep], want["advantage"][keep], ADV_TOL)
+    assert terms.advantage.dtype == torch.float64
+
+
 @settings(max_examples=50, deadline=None)
 @given(st.data())
 def test_alignopsd_reference_equals_the_estimator(data):
@@ -258,8 +348,8 @@ def test_alignopsd_reference_equals_the_estimator(data):
     values = vars(p)
     out = align_mod.ESTIMATOR(steps, **values)
     want = align_mod.ESTIMATOR.reference_values(steps, **values)
-    assert out.dtype == want.dtype == torch.float32 and close(out, want, 1e-5)
-    assert close(align_mod.alignopsd(steps, p), ref.alignopsd_reference(steps, p), 1e-9)
+    assert out.dtype == want.dtype == torch.float32 and out.shape == want.shape
+    assert_agrees_with_oracle(steps, p)
 
 
 @settings(max_examples=30, deadline=None)
@@ -270,7 +360,7 @@ def test_alignopsd_reference_with_rectification_on(data, aggregation, allocation
     p = dataclasses.replace(data.draw(alignopsd_params()), tau_sim=-0.5, top_k=3, alpha_max=1.0, mu=0.5,
                             aggregation=aggregation, allocation=allocation, projection="legacy", h_max=4.0)
     steps = data.draw(alignopsd_batches(p, cross=True))
-    assert close(align_mod.alignopsd(steps, p), ref.alignopsd_reference(steps, p), 1e-9)
+    assert_agrees_with_oracle(steps, p)
 
 
 @settings(max_examples=30, deadline=None)
@@ -281,7 +371,7 @@ def test_alignopsd_reference_with_long_segmented_rollouts(data, distance):
                             quantile=data.draw(st.sampled_from([0.3, 0.8])), tau_sim=0.3, allocation="hierarchical",
                             mu=0.5, projection="legacy", h_max=4.0, min_seg=1, max_seg=4)
     steps = data.draw(alignopsd_batches(p, max_len=16))
-    assert close(align_mod.alignopsd(steps, p), ref.alignopsd_reference(steps, p), 1e-9)
+    assert_agrees_with_oracle(steps, p)
 
 
 @SETTINGS

@@ -3,8 +3,9 @@
 Follows ``verl/trainer/ppo/thinking_correspondence.py`` of ``mingju-c/Align-OPSD`` (``build_structural_mask``,
 ``select_sparse_sources``, ``combine_cross_teacher_scores``); see :mod:`credit_plugins.estimators.alignopsd` for the
 formulas and the decisions. Everything here works on the table's sorted rows (by ``(traj, t)``) and, for the
-source x target matrices, on :class:`TaskBlocks`: one padded square block per task group, so no loop runs over rows,
-targets or trajectories.
+source x target matrices, on :class:`TaskBlocks`: one padded square block per task group whose rows are in
+**canonical order** (sorted by their content key), so no loop runs over rows, targets or trajectories and the
+float32 similarity GEMMs see the same operands whatever the labels or the row order of the batch.
 """
 
 from __future__ import annotations
@@ -17,21 +18,26 @@ import torch
 from ..hashing import GOLDEN64 as _GOLDEN, MASK64, mix64, signed64 as _signed  # noqa: F401
 from ..steptable import StepTable
 
-__all__ = ["TaskBlocks", "task_blocks", "unit_rows", "similarity_blocks", "eligibility_blocks", "select_block_sources",
-           "content_key", "row_content", "mix64", "correspondence_chunks", "chunk_rows", "Correspondence",
-           "sources_per_row", "source_weights", "confidence", "aggregate_cross", "rectify"]
+__all__ = ["TaskBlocks", "task_blocks", "unit_rows", "content_key", "row_content", "mix64", "correspondence_chunks",
+           "chunk_rows", "Correspondence", "sources_per_row", "source_weights", "confidence", "aggregate_cross",
+           "rectify"]
 
 AGGREGATIONS = ("probability_mixture", "log_mean")
 
 
 @dataclass(frozen=True)
 class TaskBlocks:
-    """The rows of each task group laid out as one padded block.
+    """The rows of each task group laid out as one padded block, in canonical order.
 
     ``rows[g, p]`` is the sorted-row index at position ``p`` of group ``g`` (-1 past the group's end); inside a
-    group the rows keep the table's ``(traj, t)`` order, so a rollout's turns are consecutive positions.
-    ``pos[r]`` is row ``r``'s position in its block, ``rollout[g, p]`` the rollout's index inside its group (-1 on
-    padding).
+    group the rows are sorted by their content key (:func:`content_key`), rows of identical content by the content
+    key of their rollout (the mixed wrapping sum of its rows' keys), so a position holds the same content whatever
+    the labels or the row order of the batch; only rows of duplicate rollouts (identical content throughout) keep
+    the table's order, and ``twin[g, p]`` points each of them at the first of its run (the others at themselves).
+    ``pos[r]`` is row ``r``'s position in its block, ``rollout[g, p]`` an id of the row's rollout inside its group
+    (only compared for equality; -1 on padding), ``prev[g, p]`` the position of the previous turn of the same rollout
+    (-1 at its first turn and on padding) and ``group_key[g]`` the group's content key (the mixed wrapping sum of
+    its rows' keys), which orders the groups of a size bucket.
     """
 
     rows: torch.Tensor  # [G, M] int64
@@ -39,6 +45,9 @@ class TaskBlocks:
     pos: torch.Tensor  # [S] int64
     rollout: torch.Tensor  # [G, M] int64
     n_rollouts: int  # most rollouts in one group
+    prev: torch.Tensor  # [G, M] int64
+    group_key: torch.Tensor  # [G] int64
+    twin: torch.Tensor  # [G, M] int64
 
     def gather(self, values: torch.Tensor, fill: float | bool = 0) -> torch.Tensor:
         """``[G, M, ...]`` block view of a per-row tensor ``values`` ``[S, ...]``; ``fill`` on padding."""
@@ -50,18 +59,31 @@ class TaskBlocks:
         """``[S, ...]`` per-row view of a block tensor ``[G, M, ...]`` (inverse of :meth:`gather`)."""
         return block[row_group, self.pos]
 
+    def bucket(self, idx: torch.Tensor, width: int) -> TaskBlocks:
+        """The blocks of the groups ``idx`` cut to their first ``width`` positions (a size bucket)."""
+        rollout = self.rollout[idx, :width]
+        return TaskBlocks(rows=self.rows[idx, :width], present=self.present[idx, :width], pos=self.pos,
+                          rollout=rollout, n_rollouts=int(rollout.max()) + 1, prev=self.prev[idx, :width],
+                          group_key=self.group_key[idx], twin=self.twin[idx, :width])
 
-def task_blocks(steps: StepTable) -> TaskBlocks:
+
+def task_blocks(steps: StepTable, key: torch.Tensor) -> TaskBlocks:
+    """The canonical blocks of ``steps``: each group's rows sorted by ``key`` ([S] int64 content keys, ascending
+    as signed integers; equal keys keep the table's order)."""
     n, g = steps.n_steps, steps.row_group
     count = torch.bincount(g, minlength=steps.n_groups)
     width = int(count.max()) if n else 0
-    perm = torch.sort(g, stable=True).indices  # grouped by task, (traj, t) order kept inside a group
+    traj_key = mix64(torch.zeros(steps.n_traj, dtype=torch.int64).index_add_(0, steps.row_traj, key))
+    rkey = traj_key[steps.row_traj]
+    perm = torch.sort(rkey, stable=True).indices
+    perm = perm[torch.sort(key[perm], stable=True).indices]
+    perm = perm[torch.sort(g[perm], stable=True).indices]  # by task, then content key, then the rollout's key
     start = torch.cumsum(count, 0) - count
     pos = torch.empty(n, dtype=torch.int64)
     pos[perm] = torch.arange(n) - start[g[perm]]
     rows = torch.full((steps.n_groups, width), -1, dtype=torch.int64)
     rows[g, pos] = torch.arange(n)
-    # rank of each trajectory inside its group (trajectory ids are sorted, like the rows)
+    # rank of each trajectory inside its group (an equality id only)
     tg = steps.traj_group
     tperm = torch.sort(tg, stable=True).indices
     tcount = torch.bincount(tg, minlength=steps.n_groups)
@@ -70,16 +92,31 @@ def task_blocks(steps: StepTable) -> TaskBlocks:
     trank[tperm] = torch.arange(steps.n_traj) - tstart[tg[tperm]]
     present = rows >= 0
     rollout = torch.where(present, trank[steps.row_traj][rows.clamp(min=0)], -1)
+    # the previous turn of a rollout is the previous sorted row (the table is sorted by (traj, t))
+    prev = torch.full((steps.n_groups, width), -1, dtype=torch.int64)
+    if n > 1:
+        cont = (steps.row_traj[1:] == steps.row_traj[:-1]).nonzero().squeeze(1) + 1
+        prev[g[cont], pos[cont]] = pos[cont - 1]
+    group_key = mix64(torch.zeros(steps.n_groups, dtype=torch.int64).index_add_(0, g, key))
+    # twins: rows of identical content in rollouts of identical content (duplicate rollouts) sit next to each other
+    # in an order the labels decide; each points at the first of its run
+    idx = torch.arange(width)
+    fresh = torch.ones(steps.n_groups, width, dtype=torch.bool)
+    if width > 1:
+        bk, brk = key[rows.clamp(min=0)], rkey[rows.clamp(min=0)]
+        fresh[:, 1:] = ~((bk[:, 1:] == bk[:, :-1]) & (brk[:, 1:] == brk[:, :-1]) & present[:, 1:])
+    twin = torch.cummax(torch.where(fresh, idx, 0), 1).values
     return TaskBlocks(rows=rows, present=present, pos=pos, rollout=rollout,
-                      n_rollouts=int(tcount.max()) if n else 0)
+                      n_rollouts=int(tcount.max()) if n else 0, prev=prev, group_key=group_key, twin=twin)
 
 
 def unit_rows(emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """L2-normalised float64 rows and the mask of non-empty ones (an all-zero row means "thinking empty")."""
+    """L2-normalised rows (normalised in float64, returned in float32) and the mask of non-empty ones (an
+    all-zero row means "thinking empty")."""
     e = emb.to(torch.float64)
     norm = e.norm(dim=-1)
     nonzero = norm > 0
-    return e / torch.where(nonzero, norm, 1.0)[:, None], nonzero
+    return (e / torch.where(nonzero, norm, 1.0)[:, None]).to(torch.float32), nonzero
 
 
 # ---- content keys (tie-breaking that never looks at labels or row order) -------------------------------------------
@@ -112,129 +149,9 @@ def row_content(steps: StepTable, emb_teacher: torch.Tensor, emb_student: torch.
                       emb_teacher.to(torch.float64), emb_student.to(torch.float64)], 1)
 
 
-def similarity_blocks(blocks: TaskBlocks, teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
-    """``H[g, target, source] = cos(E_teacher[source], E_student[target])`` within each task block (float64).
-
-    Stored target-major (the transpose of the authors' ``H[source, target]``): a target's candidate sources are
-    the last dimension. Materialises ``[G, M, M]``; the estimator uses :func:`correspondence_chunks` instead.
-    """
-    return blocks.gather(student) @ blocks.gather(teacher).transpose(1, 2)
-
-
-def eligibility_blocks(blocks: TaskBlocks, teacher_ok: torch.Tensor, student_ok: torch.Tensor) -> torch.Tensor:
-    """``B[g, target, source]``: same task, different rollout, both thinking texts non-empty."""
-    t_ok = blocks.gather(teacher_ok, False)
-    s_ok = blocks.gather(student_ok, False)
-    other = blocks.rollout[:, :, None] != blocks.rollout[:, None, :]
-    return other & s_ok[:, :, None] & t_ok[:, None, :]
-
-
-def select_block_sources(h: torch.Tensor, b: torch.Tensor, blocks: TaskBlocks, tau: float, k: int,
-                         key: torch.Tensor) -> torch.Tensor:
-    """``[G, C, K]`` block positions of the chosen sources of targets ``h``/``b`` ``[G, C, M]`` (-1 = none).
-
-    Candidates: ``B & H >= tau``; one best per source rollout; then the global top-K. Order and ties: descending
-    H, then the source's content key ``key`` ``[G, M]`` (ascending; a hash of the row's data, never its label or
-    position). Only rows of identical content (equal keys) fall back to the block position.
-    O(C M) work, no sort over M.
-    """
-    g, c, m = h.shape
-    r_n = max(blocks.n_rollouts, 1)
-    big = torch.iinfo(torch.int64).max
-    cand = b & (h >= tau)
-    hk = torch.where(cand, h, -math.inf)
-    roll = blocks.rollout.clamp(min=0)[:, None, :].expand(g, c, m)
-    best = torch.full((g, c, r_n), -math.inf, dtype=torch.float64).scatter_reduce_(-1, roll, hk, "amax")
-    at_best = cand & (hk == torch.gather(best, -1, roll))
-    keys = key[:, None, :].expand(g, c, m)
-    kmin = torch.full((g, c, r_n), big, dtype=torch.int64).scatter_reduce_(
-        -1, roll, torch.where(at_best, keys, big), "amin")
-    win = at_best & (keys == torch.gather(kmin, -1, roll))
-    posn = torch.arange(m).expand(g, c, m)
-    pos_r = torch.full((g, c, r_n), m, dtype=torch.int64).scatter_reduce_(-1, roll, torch.where(win, posn, m), "amin")
-    # rank the rollouts' winners by (-H, key)
-    o1 = torch.sort(kmin, dim=-1, stable=True).indices
-    o2 = torch.sort(torch.gather(best, -1, o1), dim=-1, descending=True, stable=True).indices
-    order = torch.gather(o1, -1, o2)
-    best_s = torch.gather(best, -1, order)
-    pos_s = torch.gather(pos_r, -1, order)
-    chosen = torch.where(torch.isfinite(best_s), pos_s, -1)[..., :k]
-    if chosen.shape[-1] < k:
-        chosen = torch.cat([chosen, torch.full((g, c, k - chosen.shape[-1]), -1, dtype=torch.int64)], -1)
-    return chosen
-
-
-SPLIT_PIECES = 3  # fixed-point pieces per unit-vector component (3 x ~22 bits: below float64 rounding)
-
-
-def split_bits(d: int) -> int:
-    """Bits ``b`` per fixed-point piece for embedding dimension ``d``: a level of :func:`exact_similarity` sums at
-    most ``SPLIT_PIECES * d`` products of two integers ``<= 2^b``, which stays below ``2^53`` (exact in float64)."""
-    return int((53 - math.ceil(math.log2(max(SPLIT_PIECES * d, 1)))) // 2)
-
-
-def split_pieces(unit: torch.Tensor) -> list[torch.Tensor]:
-    """``unit`` (components in [-1, 1]) as ``SPLIT_PIECES`` fixed-point pieces ``x_i = X_i 2^(-i b)`` with integer
-    ``|X_i| <= 2^b`` (``b = split_bits(D)``), ``x = sum_i x_i`` up to ``2^-(SPLIT_PIECES b + 1)`` per component.
-    Every step is exact in float64 (scaling by powers of two, rounding to an integer, subtracting a coarser
-    rounding of the same number)."""
-    b = split_bits(unit.shape[-1])
-    rest, out = unit.to(torch.float64), []
-    for i in range(1, SPLIT_PIECES + 1):
-        scale = float(2 ** (i * b))
-        piece = torch.round(rest * scale) / scale
-        out.append(piece)
-        rest = rest - piece
-    return out
-
-
-def exact_similarity(stu: list[torch.Tensor], tea: list[torch.Tensor]) -> torch.Tensor:
-    """``H[g, c, s] = sum_d stu[g, c, d] tea[g, s, d]`` from the fixed-point pieces of :func:`split_pieces`
-    (``[G, C, D]`` and ``[G, M, D]`` each): for each level ``L = i + j`` (2 .. SPLIT_PIECES + 1) the products
-    ``x_i y_j`` lie on the grid ``2^(-L b)`` and their sum over ``d`` and over the pairs of the level is an integer
-    below ``2^53`` times that grid, so BLAS computes every level **exactly**, whatever its tiling or summation order;
-    the levels are then added in a fixed order. Each entry is therefore a function of the two rows only, bit-equal
-    whatever the chunk shape or the positions of the rows (a plain BLAS matmul rounds differently per tile, which
-    would break exact ties), at the cost of ``SPLIT_PIECES (SPLIT_PIECES + 1) / 2`` matmuls. The dropped levels
-    and the split's remainder bound the error by ``~2^-(SPLIT_PIECES b) sqrt(D)``, below float64 rounding."""
-    h = None
-    for level in range(2, SPLIT_PIECES + 2):
-        acc = None
-        for i in range(1, level):
-            j = level - i
-            if i > SPLIT_PIECES or j > SPLIT_PIECES:
-                continue
-            t = tea[j - 1].transpose(1, 2)
-            acc = torch.bmm(stu[i - 1], t) if acc is None else torch.baddbmm(acc, stu[i - 1], t)
-        h = acc if h is None else h.add_(acc)
-    return h
-
-
-def level_operands(stu: list[torch.Tensor], tea: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The pieces of :func:`split_pieces` stacked for :func:`exact_similarity_levels`: the student's along ``D``
-    (``[G, C, SPLIT_PIECES D]``, pieces 1, 2, ...) and, per level ``L = 2 .. SPLIT_PIECES + 1``, the teacher's
-    pieces ``L - 1, L - 2, ..., 1`` along ``D``, transposed (``[G, (L - 1) D, M]``), so that the student prefix of
-    ``L - 1`` pieces times it is the sum over the level's pairs ``(i, L - i)``."""
-    n = len(stu)
-    levels = [(tea[0] if level == 2 else torch.cat([tea[level - 1 - i] for i in range(1, level)], -1)).transpose(1, 2)
-              for level in range(2, n + 2)]
-    return torch.cat(stu, -1), levels
-
-
-def exact_similarity_levels(stu_cat: torch.Tensor, tea_levels: list[torch.Tensor]) -> torch.Tensor:
-    """:func:`exact_similarity` from :func:`level_operands`, one matmul per level instead of one per pair. Each
-    level's sum (over ``d`` and over its pairs) is exact whatever the summation order (the same integer products,
-    below ``2^53``), and the levels are added in the same order, so the result is bit-equal to it."""
-    d = stu_cat.shape[-1] // len(tea_levels)
-    h = None
-    for n_pairs, t in enumerate(tea_levels, start=1):
-        acc = torch.bmm(stu_cat[..., :n_pairs * d], t)
-        h = acc if h is None else h.add_(acc)
-    return h
-
-
-DEFAULT_CHUNK_ELEMENTS = 1 << 21  # target x source entries per chunk (a few tens of MB of temporaries)
-BYTES_PER_ENTRY = 64  # rough peak bytes per [G, C, M] entry (H, B, profiles, logits, keys, indices, temporaries)
+NEG = -1e30  # similarity of an ineligible (source, target) pair: below any cosine, exp((NEG - top) / T) = 0
+DEFAULT_CHUNK_ELEMENTS = 1 << 20  # target x source entries per chunk (a few MB per float32 temporary)
+BYTES_PER_ENTRY = 40  # rough peak bytes per [G, C, M] entry (H, masks, profile temporaries)
 MAX_BLOCK_BYTES = 4 << 30  # refuse a single chunk estimated above this many bytes
 
 
@@ -243,10 +160,22 @@ class Correspondence:
     """Per-block outputs of the chunked M1 selection and M2 profile distances (block layout ``[G, M, ...]``)."""
 
     chosen: torch.Tensor  # [G, M, K] block positions of the sources (-1 none)
-    sim: torch.Tensor  # [G, M, K] their H (0 where none)
+    sim: torch.Tensor  # [G, M, K] their H (float32 values as float64; 0 where none)
     prof_valid: torch.Tensor  # [G, M] bool
     dist: torch.Tensor  # [G, M] profile distance to the previous turn of the same rollout
     dist_valid: torch.Tensor  # [G, M] bool
+
+    @staticmethod
+    def empty(g: int, m: int, k: int) -> Correspondence:
+        """No source, no valid profile, no distance, for ``g`` blocks of ``m`` positions."""
+        return Correspondence(torch.full((g, m, k), -1, dtype=torch.int64), torch.zeros(g, m, k, dtype=torch.float64),
+                              torch.zeros(g, m, dtype=torch.bool), torch.zeros(g, m, dtype=torch.float64),
+                              torch.zeros(g, m, dtype=torch.bool))
+
+    def put(self, idx: torch.Tensor, width: int, part: Correspondence) -> None:
+        """Write the result ``part`` of the bucket ``idx`` (:meth:`TaskBlocks.bucket`) into its groups."""
+        for name in ("chosen", "sim", "prof_valid", "dist", "dist_valid"):
+            getattr(self, name)[idx, :width] = getattr(part, name)
 
 
 def chunk_rows(blocks: TaskBlocks, chunk_elements: int | None = None, max_bytes: int | None = None) -> int:
@@ -271,87 +200,143 @@ BUCKETS_PER_OCTAVE = 4  # groups whose sizes agree within 2^(1/4) share one padd
 
 
 def size_buckets(blocks: TaskBlocks) -> list[tuple[torch.Tensor, int]]:
-    """The task groups bucketed by size: ``(group indices, block width)`` per bucket, widest first. Groups of
-    similar size are padded to their bucket's widest member instead of the batch's largest group, so the
-    ``[G, C, M]`` work is ``~sum_g M_g^2`` rather than ``G max_g M_g^2``."""
+    """The task groups bucketed by size: ``(group indices, block width)`` per bucket, widest first; inside a bucket
+    the groups are ordered by their content key (so the batched GEMMs see them in an order that no label or row
+    position decides). Groups of similar size are padded to their bucket's widest member instead of the batch's
+    largest group, so the ``[G, C, M]`` work is ``~sum_g M_g^2`` rather than ``G max_g M_g^2``."""
     sizes = blocks.present.sum(1)
     level = torch.ceil(torch.log2(sizes.clamp(min=1).to(torch.float64)) * BUCKETS_PER_OCTAVE).to(torch.int64)
     out = []
     for lv in torch.unique(level).flip(0).tolist():
         idx = (level == lv).nonzero().squeeze(1)
+        idx = idx[torch.sort(blocks.group_key[idx], stable=True).indices]
         out.append((idx, int(sizes[idx].max())))
     return out
 
 
 def correspondence_chunks(blocks: TaskBlocks, teacher: torch.Tensor, t_ok: torch.Tensor, student: torch.Tensor,
-                          s_ok: torch.Tensor, key: torch.Tensor, tau: float, k: int, t_prof: float, distance: str,
-                          n_rows: int, chunk: int | None = None) -> Correspondence:
-    """Source selection (M1), profiles and adjacent distances (M2) over chunks of target positions.
+                          s_ok: torch.Tensor, tau: float, k: int, t_prof: float, distance: str, n_rows: int,
+                          with_profiles: bool = True) -> Correspondence:
+    """Source selection (M1), profiles and adjacent distances (M2), bucket by bucket and chunk by chunk.
 
-    The groups are processed in :func:`size_buckets` (each bucket a narrower block); in each, every chunk builds
-    ``H``/``B`` for ``C`` target positions (plus the previous position, for the adjacent distance) against every
-    source of the block: peak memory ``O(G C M)``, never ``[G, M, M]``. The results depend neither on the chunk
-    size nor on the bucketing (every group's computation is its own; the similarities are exact).
+    ``teacher`` / ``student``: float32 unit rows (:func:`unit_rows`). In each :func:`size_buckets` bucket the
+    similarities of a chunk of groups (whole groups while ``M^2`` fits the chunk, else a range of target positions
+    of every group) are one float32 batched GEMM of the canonical blocks, ``[G, C, D] x [G, D, M]``: peak memory
+    ``O(G C M)``, never the batch's ``[G, M, M]``. Every GEMM's operands are determined by the groups' content
+    (canonical row order, groups ordered by content key, bucket widths from the group sizes), so the result is a
+    function of the content alone in a given process. ``with_profiles=False`` skips M2 (``select_sources``).
     """
     g, m = blocks.rows.shape
-    chosen = torch.full((g, m, k), -1, dtype=torch.int64)
-    sim = torch.zeros(g, m, k, dtype=torch.float64)
-    prof_valid = torch.zeros(g, m, dtype=torch.bool)
-    dist = torch.zeros(g, m, dtype=torch.float64)
-    dvalid = torch.zeros(g, m, dtype=torch.bool)
+    out = Correspondence.empty(g, m, k)
     if g == 0 or m == 0:
-        return Correspondence(chosen, sim, prof_valid, dist, dvalid)
+        return out
     chunk_rows(blocks)  # the memory guard names the largest group before any bucket is allocated
+    # the GEMM operands: unit rows plus one column that puts NEG on empty teachers and padding
+    d = student.shape[1]
+    stu_aug = torch.cat([student, torch.ones(student.shape[0], 1)], 1)
+    tea_aug = torch.cat([teacher, torch.where(t_ok, 0.0, NEG).to(torch.float32)[:, None]], 1)
     for idx, width in size_buckets(blocks):
-        rollout = blocks.rollout[idx, :width]
-        sub = TaskBlocks(rows=blocks.rows[idx, :width], present=blocks.present[idx, :width], pos=blocks.pos,
-                         rollout=rollout, n_rollouts=int(rollout.max()) + 1)
-        c = _correspondence_block(sub, teacher, t_ok, student, s_ok, key, tau, k, t_prof, distance, n_rows, chunk)
-        chosen[idx, :width], sim[idx, :width], prof_valid[idx, :width] = c.chosen, c.sim, c.prof_valid
-        dist[idx, :width], dvalid[idx, :width] = c.dist, c.dist_valid
-    return Correspondence(chosen, sim, prof_valid, dist, dvalid)
+        sub = blocks.bucket(idx, width)
+        stu = sub.gather(stu_aug, 0.0)
+        tea = sub.gather(tea_aug, 0.0)
+        tea[..., d].masked_fill_(~sub.present, NEG)
+        c = _correspondence_block(sub, stu, tea.transpose(1, 2), sub.gather(s_ok, False), tau, k, t_prof, distance,
+                                  n_rows, with_profiles)
+        out.put(idx, width, c)
+    return out
 
 
-def _correspondence_block(blocks: TaskBlocks, teacher: torch.Tensor, t_ok: torch.Tensor, student: torch.Tensor,
-                          s_ok: torch.Tensor, key: torch.Tensor, tau: float, k: int, t_prof: float, distance: str,
-                          n_rows: int, chunk: int | None = None) -> Correspondence:
-    """:func:`correspondence_chunks` on one block (one size bucket)."""
-    from ._alignopsd_m2 import (  # m2 imports TaskBlocks from here
-        profile_distance,
-        profiles,
-        safe_log,
-    )
+def _masked_similarity(stu: torch.Tensor, tea_t: torch.Tensor, roll_t: torch.Tensor,
+                       roll_s: torch.Tensor) -> torch.Tensor:
+    """``H`` ``[G, C, M]`` float32 of targets ``stu`` ``[G, C, D + 1]`` against sources ``tea_t`` ``[G, D + 1, M]``,
+    NEG on ineligible pairs: empty teacher or padding (the extra column), same rollout (``roll_t`` ``[G, C]``,
+    ``roll_s`` ``[G, M]``)."""
+    h = torch.bmm(stu, tea_t)
+    return h.masked_fill_(roll_t[:, :, None] == roll_s[:, None, :], NEG)
 
+
+def _profile(h: torch.Tensor, top: torch.Tensor, t_prof: float) -> torch.Tensor:
+    """``P = softmax(H / T_prof)`` over the eligible sources (0 on the NEG entries), float32 ``[G, C, M]``."""
+    e = torch.sub(h, top[..., None]).mul_(1.0 / t_prof).exp_()
+    return e.div_(e.sum(-1, keepdim=True))
+
+
+def _entropy(p: torch.Tensor) -> torch.Tensor:
+    return torch.special.entr(p).sum(-1)
+
+
+def _distance(p: torch.Tensor, q: torch.Tensor, hp: torch.Tensor, hq: torch.Tensor, mode: str,
+              n_rows: int) -> torch.Tensor:
+    """Adjacent-profile distance of rows ``p``, ``q`` with entropies ``hp``, ``hq``, clipped to [0, 1] (float64).
+    jsd: ``(H(m) - (H(p) + H(q)) / 2) / ln 2`` (exactly 0 when ``p`` and ``q`` are equal: then ``m = p``)."""
+    if mode == "jsd":
+        d = (_entropy(torch.add(p, q).mul_(0.5)) - 0.5 * (hp + hq)).to(torch.float64) / math.log(2.0)
+    elif mode == "entropy":
+        d = (hp - hq).abs().to(torch.float64) / (math.log(n_rows) if n_rows > 1 else 1.0)
+    else:  # 1 - cosine, with torch.cosine_similarity's 1e-8 norm floor
+        eps = 1e-8
+        dot = (p * q).sum(-1).to(torch.float64)
+        d = 1.0 - dot / (p.norm(dim=-1).clamp(min=eps) * q.norm(dim=-1).clamp(min=eps)).to(torch.float64)
+    return d.clamp(0.0, 1.0)
+
+
+def _correspondence_block(blocks: TaskBlocks, stu: torch.Tensor, tea_t: torch.Tensor, sok: torch.Tensor, tau: float,
+                          k: int, t_prof: float, distance: str, n_rows: int, with_profiles: bool) -> Correspondence:
+    """:func:`correspondence_chunks` on one bucket (``stu`` ``[G, M, D + 1]``, ``tea_t`` ``[G, D + 1, M]``)."""
     g, m = blocks.rows.shape
-    chunk = chunk or chunk_rows(blocks)
-    stu_cat, tea_levels = level_operands(split_pieces(blocks.gather(student)), split_pieces(blocks.gather(teacher)))
-    tok, sok = blocks.gather(t_ok, False), blocks.gather(s_ok, False)
-    key_b = blocks.gather(key, 0)
-    chosen = torch.full((g, m, k), -1, dtype=torch.int64)
-    sim = torch.zeros(g, m, k, dtype=torch.float64)
-    prof_valid = torch.zeros(g, m, dtype=torch.bool)
-    dist = torch.zeros(g, m, dtype=torch.float64)
-    dvalid = torch.zeros(g, m, dtype=torch.bool)
-    for c0 in range(0, m, chunk):
-        c1 = min(m, c0 + chunk)
-        lo = max(c0 - 1, 0)  # one position of overlap: the predecessor of the chunk's first target
-        h = exact_similarity_levels(stu_cat[:, lo:c1], tea_levels)  # [G, C', M]
-        b = (blocks.rollout[:, lo:c1, None] != blocks.rollout[:, None, :]) & sok[:, lo:c1, None] & tok[:, None, :]
-        off = c0 - lo
-        ch = select_block_sources(h[:, off:], b[:, off:], blocks, tau, k, key_b)
-        chosen[:, c0:c1] = ch
-        sim[:, c0:c1] = torch.where(ch >= 0, torch.gather(h[:, off:], -1, ch.clamp(min=0)), 0.0)
-        prof, pv = profiles(h, b, tau, t_prof)
-        prof_valid[:, c0:c1] = pv[:, off:]
-        if c1 - lo > 1:
-            same = blocks.present[:, lo + 1:c1] & (blocks.rollout[:, lo + 1:c1] == blocks.rollout[:, lo:c1 - 1])
-            ok = same & pv[:, 1:] & pv[:, :-1] & (b[:, 1:] == b[:, :-1]).all(-1)
-            logs = safe_log(prof) if distance == "jsd" else None
-            d = (profile_distance(prof[:, :-1], prof[:, 1:], distance, n_rows, logs[:, :-1], logs[:, 1:]) if logs is
-                 not None else profile_distance(prof[:, :-1], prof[:, 1:], distance, n_rows))
-            dist[:, lo + 1:c1] = torch.where(ok, d, 0.0)
-            dvalid[:, lo + 1:c1] = ok
-    return Correspondence(chosen, sim, prof_valid, dist, dvalid)
+    roll = blocks.rollout
+    out = Correspondence.empty(g, m, k)
+    chosen, sim, prof_valid, dist, dvalid = out.chosen, out.sim, out.prof_valid, out.dist, out.dist_valid
+    if m * m <= DEFAULT_CHUNK_ELEMENTS:  # whole groups per chunk: a group's predecessors are in its own slab
+        per = DEFAULT_CHUNK_ELEMENTS // (m * m)
+        spans = [(g0, min(g, g0 + per), 0, m) for g0 in range(0, g, per)]
+    else:  # one group is too large: ranges of target positions of every group
+        chunk = chunk_rows(blocks)
+        spans = [(0, g, c0, min(m, c0 + chunk)) for c0 in range(0, m, chunk)]
+    for g0, g1, c0, c1 in spans:
+        gs = slice(g0, g1)
+        h = _masked_similarity(stu[gs, c0:c1], tea_t[gs], roll[gs, c0:c1], roll[gs])
+        top, arg = h.max(-1)
+        ok = sok[gs, c0:c1] & (top > NEG / 2)  # an eligible source exists
+        if with_profiles:
+            pv = ok & (top >= tau)
+            prof_valid[gs, c0:c1] = pv
+            prof = _profile(h, top, t_prof)
+            ent = _entropy(prof) if distance != "cosine" else top
+            prev = blocks.prev[gs, c0:c1]
+            has_prev = prev >= 0
+            if c0 == 0 and c1 == m:
+                pidx = prev.clamp(min=0)
+                q = torch.gather(prof, 1, pidx[:, :, None].expand_as(prof))
+                q_ent, q_valid = torch.gather(ent, 1, pidx), torch.gather(pv, 1, pidx)
+            else:  # the predecessors' profiles, recomputed for this range of targets
+                pidx = prev.clamp(min=0)
+                rows = torch.arange(g1 - g0)[:, None]
+                hq = _masked_similarity(stu[gs][rows, pidx], tea_t[gs], roll[gs][rows, pidx], roll[gs])
+                q_top = hq.max(-1).values
+                q_valid = sok[gs][rows, pidx] & (q_top > NEG / 2) & (q_top >= tau)
+                q = _profile(hq, q_top, t_prof)
+                q_ent = _entropy(q) if distance != "cosine" else q_top
+            okd = has_prev & pv & q_valid
+            dist[gs, c0:c1] = torch.where(okd, _distance(q, prof, q_ent, ent, distance, n_rows), 0.0)
+            dvalid[gs, c0:c1] = okd
+        # sources: the best eligible source, then again with its rollout removed, k times (first maximum: ties go
+        # to the lower canonical position, i.e. the lower content key)
+        for j in range(k):
+            take = ok & (top >= tau)
+            if not bool(take.any()):
+                break
+            chosen[gs, c0:c1, j] = torch.where(take, arg, -1)
+            sim[gs, c0:c1, j] = torch.where(take, top, 0.0).to(torch.float64)
+            if j + 1 < k:
+                h.masked_fill_(roll[gs][:, None, :] == torch.gather(roll[gs], 1, arg)[:, :, None], NEG)
+                top, arg = h.max(-1)
+                ok = take
+    if with_profiles:  # a duplicate rollout's rows take the first copy's distances: their sums ran over the same
+        # values with the own-rollout holes elsewhere, which float32 may round differently
+        out.dist.copy_(torch.gather(out.dist, 1, blocks.twin))
+        out.dist_valid.copy_(torch.gather(out.dist_valid, 1, blocks.twin))
+    return out
 
 
 def sources_per_row(steps: StepTable, blocks: TaskBlocks, corr: Correspondence) -> tuple[torch.Tensor, torch.Tensor]:
@@ -395,3 +380,14 @@ def rectify(lp_diag: torch.Tensor, lp_cross_agg: torch.Tensor, alpha: torch.Tens
     """``l^rect_t = (1 - alpha_t) l^diag_t + alpha_t l^cross_t``."""
     a = alpha[:, None]
     return (1.0 - a) * lp_diag + a * lp_cross_agg
+
+
+# The exact fixed-point similarity of the estimator before issue 39 lives with the loop reference now; it is
+# re-exported here for the callers that import it from this module (not used by the estimator).
+from ..reference.opsd import (  # noqa: E402, F401
+    exact_similarity,
+    exact_similarity_levels,
+    level_operands,
+    split_bits,
+    split_pieces,
+)

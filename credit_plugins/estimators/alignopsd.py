@@ -254,6 +254,8 @@ def _embeddings(steps: StepTable) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _token_inputs(steps: StepTable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``logp_old``, ``logp_teacher`` (as given: :func:`_token_pass` reads them in float64, row block by row block)
+    and the bool mask, after checking shapes, the mask and the log-probs' finiteness on mask tokens."""
     mask = steps.extra("response_mask")
     if mask.ndim != 2:
         raise ValueError(f"extras['response_mask'] has shape {tuple(mask.shape)}; give [S, L] 0/1 (the policy-loss "
@@ -270,12 +272,14 @@ def _token_inputs(steps: StepTable) -> tuple[torch.Tensor, torch.Tensor, torch.T
                          f"at least one response token in the mask)")
     out = []
     for name in ("logp_old", "logp_teacher"):
-        lp = _float_block(steps, name, 2)
+        lp = _float_block(steps, name, 2, convert=False)
         if lp.shape != mask.shape:
             raise ValueError(f"extras[{name!r}] has shape {tuple(lp.shape)} but extras['response_mask'] has "
                              f"{tuple(mask.shape)}; give one log-prob per response token [S, L]")
-        _check_finite(steps, name, lp, mask)
-        out.append(torch.where(mask, lp, 0.0))
+        for i, j in _row_blocks(lp.shape[0], lp.shape[1]):
+            if bool((mask[i:j] & ~torch.isfinite(lp[i:j])).any()):
+                _check_finite(steps, name, lp, mask)  # names the count and the first row
+        out.append(lp)
     return out[0], out[1], mask
 
 
@@ -292,7 +296,7 @@ def _sorted_src_as_input(steps: StepTable, src: torch.Tensor) -> torch.Tensor:
 
 
 def _cross_inputs(steps: StepTable, p: AlignOPSDParams, src: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
-    """``logp_cross`` [S, K, L] (as given, sorted rows; :func:`_aggregate_cross` reads it in float64, 0 on empty
+    """``logp_cross`` [S, K, L] (as given, sorted rows; :func:`_token_pass` reads it in float64, 0 on empty
     slots and off mask) after checking ``cross_src`` against the selection and its finiteness where it is used."""
     have_lp, have_src = (steps.extra(name, None) is not None for name in ("logp_cross", "cross_src"))
     if not have_lp and not have_src:
@@ -333,17 +337,43 @@ def _row_blocks(n_rows: int, width: int) -> list[tuple[int, int]]:
     return [(i, min(i + step, n_rows)) for i in range(0, n_rows, step)]
 
 
-def _aggregate_cross(logp_cross: torch.Tensor, omega: torch.Tensor, has: torch.Tensor, lp_diag: torch.Tensor,
-                     mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """:func:`m1.aggregate_cross` of the given ``logp_cross`` (float64, 0 on empty slots and off mask), row block by
-    row block (every output row depends on its own row only, so the result is the same)."""
-    s, k, length = logp_cross.shape
-    out = torch.empty(s, length, dtype=torch.float64)
-    for i, j in _row_blocks(s, k * length):
-        h = has[i:j]
-        lp = torch.where(h[:, :, None] & mask[i:j, None, :], logp_cross[i:j].to(torch.float64), 0.0)
-        out[i:j] = m1.aggregate_cross(lp, omega[i:j], h, lp_diag[i:j], mode)
-    return out
+@dataclass
+class _Tokens:
+    turn_gap: torch.Tensor  # [S] mean_{mask} g
+    logp_cross: torch.Tensor | None  # [S, L] (keep only)
+    lp_rect: torch.Tensor | None  # [S, L] (keep only)
+    gap: torch.Tensor | None  # [S, L] (keep only)
+
+
+def _token_pass(logp_old: torch.Tensor, logp_teacher: torch.Tensor, mask: torch.Tensor, n_tok: torch.Tensor,
+                logp_cross: torch.Tensor | None, omega: torch.Tensor, has: torch.Tensor, alpha: torch.Tensor,
+                mode: str, keep: bool) -> _Tokens:
+    """The rectified teacher gap of every mask token, row block by row block (float64, inputs 0 off mask):
+    ``l^cross`` (:func:`m1.aggregate_cross`; the diagonal score without ``logp_cross``), ``l^rect``
+    (:func:`m1.rectify`), ``g = l^rect - logp_old`` and its per-row mean. ``keep`` stores the ``[S, L]`` terms;
+    without it only the ``[S]`` mean survives a block. Every output row depends on its own row only, so the result
+    does not depend on the block size."""
+    s, length = mask.shape
+    width = length * (1 + (logp_cross.shape[1] if logp_cross is not None else 0))
+    turn_gap = torch.empty(s, dtype=torch.float64)
+    full = (lambda: torch.empty(s, length, dtype=torch.float64)) if keep else (lambda: None)
+    cross_all, rect_all, gap_all = full(), full(), full()
+    for i, j in _row_blocks(s, width):
+        m = mask[i:j]
+        lo = torch.where(m, logp_old[i:j].to(torch.float64), 0.0)
+        ld = torch.where(m, logp_teacher[i:j].to(torch.float64), 0.0)
+        if logp_cross is None:  # ablation A: no cross scores, plain diagonal gap
+            cross, rect = ld, m1.rectify(ld, ld, alpha[i:j])
+        else:
+            h = has[i:j]
+            lp = torch.where(h[:, :, None] & m[:, None, :], logp_cross[i:j].to(torch.float64), 0.0)
+            cross = m1.aggregate_cross(lp, omega[i:j], h, ld, mode)
+            rect = m1.rectify(ld, cross, alpha[i:j])
+        gap = torch.where(m, rect - lo, 0.0)
+        turn_gap[i:j] = gap.sum(1) / n_tok[i:j]
+        if keep:
+            cross_all[i:j], rect_all[i:j], gap_all[i:j] = cross, rect, gap
+    return _Tokens(turn_gap, cross_all, rect_all, gap_all)
 
 
 def _valid(steps: StepTable) -> torch.Tensor | None:
@@ -369,14 +399,14 @@ class _Correspondence:
     bvalid: torch.Tensor  # [S] bool
 
 
-def _correspondence(steps: StepTable, p: AlignOPSDParams) -> _Correspondence:
+def _correspondence(steps: StepTable, p: AlignOPSDParams, with_profiles: bool = True) -> _Correspondence:
     et, es = _embeddings(steps)
     teacher, t_ok = m1.unit_rows(et)
     student, s_ok = m1.unit_rows(es)
     key = m1.content_key(m1.row_content(steps, et, es), m1.TIE_SALT)
-    blocks = m1.task_blocks(steps)
-    corr = m1.correspondence_chunks(blocks, teacher, t_ok, student, s_ok, key, p.tau_sim, p.top_k, p.t_prof,
-                                    p.distance, steps.n_steps)
+    blocks = m1.task_blocks(steps, key)
+    corr = m1.correspondence_chunks(blocks, teacher, t_ok, student, s_ok, p.tau_sim, p.top_k, p.t_prof,
+                                    p.distance, steps.n_steps, with_profiles)
     src, sim = m1.sources_per_row(steps, blocks, corr)
     rg = steps.row_group
     return _Correspondence(blocks, src, sim, key, blocks.per_row(corr.prof_valid, rg), blocks.per_row(corr.dist, rg),
@@ -400,7 +430,7 @@ def select_sources(steps: StepTable, params: AlignOPSDParams | None = None,
     """
     p = _params(params, values, "alignopsd.select_sources")
     steps.require("emb_teacher", "emb_student", by="alignopsd.select_sources")
-    c = _correspondence(steps, p)
+    c = _correspondence(steps, p, with_profiles=False)
     return (steps.to_input_order(_sorted_src_as_input(steps, c.src)),
             steps.to_input_order(c.sim).to(torch.float32))
 
@@ -525,8 +555,9 @@ def _token_allocation(steps: StepTable, p: AlignOPSDParams, gap: torch.Tensor, m
                        per_token(q_tok).sum(1), per_token(raw_tok).sum(1) / n_tok, w, w, token_w)
 
 
-def alignopsd_terms(steps: StepTable, p: AlignOPSDParams) -> AlignOPSDTerms:
-    """All quantities of one batch (sorted order, float64): M1 rectification, then M2 allocation."""
+def _run(steps: StepTable, p: AlignOPSDParams, keep: bool) -> AlignOPSDTerms | torch.Tensor:
+    """One batch: :class:`AlignOPSDTerms` with ``keep``, else only the ``[S, L]`` advantages (the ``[S, L]``
+    intermediates then live one row block at a time; every value is computed by the same operations)."""
     steps.require(*EXTRAS, by="estimator 'alignopsd'")
     logp_old, lp_diag, mask = _token_inputs(steps)
     valid = _valid(steps)
@@ -538,12 +569,12 @@ def alignopsd_terms(steps: StepTable, p: AlignOPSDParams) -> AlignOPSDTerms:
     omega = m1.source_weights(c.sim, has, p.t_agg)
     rho = m1.confidence(c.sim, omega, p.tau_sim)
     if logp_cross is None:  # ablation A: no cross scores, plain diagonal gap
-        alpha, cross = torch.zeros(steps.n_steps, dtype=torch.float64), lp_diag
+        alpha = torch.zeros(steps.n_steps, dtype=torch.float64)
     else:
         alpha = (p.alpha_max * rho).clamp(0.0, p.alpha_max)
-        cross = _aggregate_cross(logp_cross, omega, has, lp_diag, mask, p.aggregation)
-    lp_rect = m1.rectify(lp_diag, cross, alpha)
-    gap = torch.where(mask, lp_rect - logp_old, 0.0)
+    n_tok = mask.sum(1).to(torch.float64)
+    tok = _token_pass(logp_old, lp_diag, mask, n_tok, logp_cross, omega, has, alpha, p.aggregation,
+                      keep or p.allocation == "flat_token")
 
     # M2: profiles, adjacent distances, threshold
     dist, bvalid = c.dist, c.bvalid
@@ -551,30 +582,40 @@ def alignopsd_terms(steps: StepTable, p: AlignOPSDParams) -> AlignOPSDTerms:
 
     # M2: base credit, turn evidence, allocation
     a_traj = _trajectory_advantage(steps, p)
-    maskf = mask.to(torch.float64)
-    n_tok = maskf.sum(1)
-    turn_gap = gap.sum(1) / n_tok
+    turn_gap = tok.turn_gap
     score = torch.sign(a_traj) * turn_gap
     if p.allocation == "flat_token":
-        alloc = _token_allocation(steps, p, gap, mask, a_traj, n_tok)
+        alloc = _token_allocation(steps, p, tok.gap, mask, a_traj, n_tok)
     else:
         alloc = _turn_allocation(steps, p, n_tok, score, dist, bvalid, theta, mask.shape[1], c.key)
-    token_weight = alloc.token_weight * maskf
     residual = _invalid_residual(steps, p, valid)
+    if not keep and p.allocation != "flat_token":  # one value per row, broadcast over its mask tokens
+        return torch.where(mask, (a_traj * alloc.w + residual)[:, None], 0.0)
+    maskf = mask.to(torch.float64)
+    token_weight = alloc.token_weight * maskf
     advantage = maskf * (a_traj[:, None] * token_weight + residual[:, None])
-    return AlignOPSDTerms(src=c.src, sim=c.sim, omega=omega, rho=rho, alpha=alpha, logp_cross=cross, lp_rect=lp_rect,
-                          gap=gap, profile_valid=c.prof_valid, distance=dist,
+    if not keep:
+        return advantage
+    return AlignOPSDTerms(src=c.src, sim=c.sim, omega=omega, rho=rho, alpha=alpha, logp_cross=tok.logp_cross,
+                          lp_rect=tok.lp_rect, gap=tok.gap, profile_valid=c.prof_valid, distance=dist,
                           boundary_valid=bvalid, theta=theta, segment=alloc.segment, a_traj=a_traj, n_tokens=n_tok,
                           turn_gap=turn_gap, score=score, span_budget=alloc.span_budget,
                           turn_budget=alloc.turn_budget, h_raw=alloc.h_raw, h=alloc.h, w=alloc.w,
                           token_weight=token_weight, residual=residual, advantage=advantage)
 
 
+def alignopsd_terms(steps: StepTable, p: AlignOPSDParams) -> AlignOPSDTerms:
+    """All quantities of one batch (sorted order, float64): M1 rectification, then M2 allocation."""
+    return _run(steps, p, keep=True)
+
+
 def alignopsd(steps: StepTable, p: AlignOPSDParams) -> torch.Tensor:
-    """[S, L] float64 token advantages, sorted order (the registered ``fn``); an empty table gives ``[0, L]``."""
+    """[S, L] float64 token advantages, sorted order (the registered ``fn``); an empty table gives ``[0, L]``.
+    Equal to ``alignopsd_terms(steps, p).advantage`` (up to the sign of zeros off the mask) without keeping the
+    ``[S, L]`` intermediates."""
     if steps.n_steps == 0:
         return torch.zeros(steps.extra("response_mask").shape, dtype=torch.float64)
-    return alignopsd_terms(steps, p).advantage
+    return _run(steps, p, keep=False)
 
 
 ESTIMATOR = Estimator(

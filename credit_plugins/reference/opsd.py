@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from ..estimators.uniopsd import UniOPSDParams
 
 __all__ = ["uniopsd_reference", "uniopsd_reference_batch", "UniOPSDReference", "alignopsd_reference",
-           "uniopsd_initial_state"]
+           "uniopsd_initial_state", "alignopsd_reference_parts", "split_pieces", "exact_similarity",
+           "exact_similarity_levels"]
 
 
 # ---- small statistics on lists ----------------------------------------------------------------------------------
@@ -443,11 +444,19 @@ def _cut_priority(traj_key: int, pos: int, seed: int) -> float:
 
 def alignopsd_reference(steps: StepTable, p: AlignOPSDParams) -> torch.Tensor:
     """AlignOPSD's ``fn``: ``[S, L]`` float64 token advantages in sorted row order (§8.2 M1, §8.3 M2), by loops."""
-    what = "alignopsd reference"
     mask_full = steps.extra("response_mask")
-    n = steps.n_steps
-    if n == 0:
+    if steps.n_steps == 0:
         return torch.zeros(tuple(mask_full.shape), dtype=torch.float64)
+    return alignopsd_reference_parts(steps, p)["advantage"]
+
+
+def alignopsd_reference_parts(steps: StepTable, p: AlignOPSDParams) -> dict[str, Any]:
+    """:func:`alignopsd_reference` with its decisions (sorted rows, a non-empty table): ``advantage`` [S, L];
+    ``src`` (each row's chosen sources, best first) and ``src_sim`` (their exact H); ``best`` (the largest eligible H
+    of each row, None without an eligible source); ``profile_valid``, ``distance``, ``boundary_valid``; ``theta``;
+    ``bounds`` (trajectory id -> its span boundaries; absent for ``flat_token``)."""
+    what = "alignopsd reference"
+    n = steps.n_steps
     rows = _Rows(steps)
     mask = _mask_rows(steps, what)
     length = len(mask[0])
@@ -553,6 +562,7 @@ def alignopsd_reference(steps: StepTable, p: AlignOPSDParams) -> torch.Tensor:
 
     # ---- M2: allocation ------------------------------------------------------------------------------------------
     token_w = [[0.0] * length for _ in range(n)]
+    all_bounds: dict[int, list[int]] = {}
     if p.allocation == "flat_token":
         # ablation B: one budget over the rollout's mask tokens, projected densities used directly as weights
         for rows_k in rows.of_traj.values():
@@ -576,6 +586,7 @@ def alignopsd_reference(steps: StepTable, p: AlignOPSDParams) -> torch.Tensor:
                 bounds = _segment({c: dist[rows_k[c]] for c in range(1, m)},
                                   {c: bvalid[rows_k[c]] for c in range(1, m)}, m, theta, p,
                                   None if priority is None else priority[k])
+            all_bounds[k] = list(bounds)
             spans = [rows_k[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
             n_traj_tok = sum(n_tok[i] for i in rows_k)
             # span budget b_seg = softmax(log N_seg + mean sigma / T_c), within-span q_k = softmax(log N_k + sigma_k / T_c)
@@ -607,4 +618,79 @@ def alignopsd_reference(steps: StepTable, p: AlignOPSDParams) -> torch.Tensor:
         for j in range(length):
             if mask[i][j]:
                 out[i, j] = a_traj[i] * token_w[i][j] + residual[i]
+    return {"advantage": out, "src": src, "src_sim": [[h[t][s] for s in src[t]] for t in range(n)],
+            "best": [max(h[t].values()) if h[t] else None for t in range(n)], "profile_valid": prof_ok,
+            "distance": dist, "boundary_valid": bvalid, "theta": theta, "bounds": all_bounds}
+
+
+# ==== exact vectorised similarity (the AlignOPSD estimator's before issue 39) ========================================
+# Not a loop: the fixed-point similarity that the estimator used to tie exact ties whatever the row order. The
+# estimator now gets that invariance from its canonical row order (float32 GEMMs); these functions stay here for the
+# speed benchmark's "before" figure (benchmarks/credit_speed.py) and their own test. torch only, no estimator code.
+SPLIT_PIECES = 3  # fixed-point pieces per unit-vector component (3 x ~22 bits: below float64 rounding)
+
+
+def split_bits(d: int) -> int:
+    """Bits ``b`` per fixed-point piece for embedding dimension ``d``: a level of :func:`exact_similarity` sums at
+    most ``SPLIT_PIECES * d`` products of two integers ``<= 2^b``, which stays below ``2^53`` (exact in float64)."""
+    return int((53 - math.ceil(math.log2(max(SPLIT_PIECES * d, 1)))) // 2)
+
+
+def split_pieces(unit: torch.Tensor) -> list[torch.Tensor]:
+    """``unit`` (components in [-1, 1]) as ``SPLIT_PIECES`` fixed-point pieces ``x_i = X_i 2^(-i b)`` with integer
+    ``|X_i| <= 2^b`` (``b = split_bits(D)``), ``x = sum_i x_i`` up to ``2^-(SPLIT_PIECES b + 1)`` per component.
+    Every step is exact in float64 (scaling by powers of two, rounding to an integer, subtracting a coarser
+    rounding of the same number)."""
+    b = split_bits(unit.shape[-1])
+    rest, out = unit.to(torch.float64), []
+    for i in range(1, SPLIT_PIECES + 1):
+        scale = float(2 ** (i * b))
+        piece = torch.round(rest * scale) / scale
+        out.append(piece)
+        rest = rest - piece
     return out
+
+
+def exact_similarity(stu: list[torch.Tensor], tea: list[torch.Tensor]) -> torch.Tensor:
+    """``H[g, c, s] = sum_d stu[g, c, d] tea[g, s, d]`` from the fixed-point pieces of :func:`split_pieces`
+    (``[G, C, D]`` and ``[G, M, D]`` each): for each level ``L = i + j`` (2 .. SPLIT_PIECES + 1) the products
+    ``x_i y_j`` lie on the grid ``2^(-L b)`` and their sum over ``d`` and over the pairs of the level is an integer
+    below ``2^53`` times that grid, so BLAS computes every level **exactly**, whatever its tiling or summation order;
+    the levels are then added in a fixed order. Each entry is therefore a function of the two rows only, bit-equal
+    whatever the chunk shape or the positions of the rows (a plain BLAS matmul rounds differently per tile, which
+    would break exact ties), at the cost of ``SPLIT_PIECES (SPLIT_PIECES + 1) / 2`` matmuls. The dropped levels
+    and the split's remainder bound the error by ``~2^-(SPLIT_PIECES b) sqrt(D)``, below float64 rounding."""
+    h = None
+    for level in range(2, SPLIT_PIECES + 2):
+        acc = None
+        for i in range(1, level):
+            j = level - i
+            if i > SPLIT_PIECES or j > SPLIT_PIECES:
+                continue
+            t = tea[j - 1].transpose(1, 2)
+            acc = torch.bmm(stu[i - 1], t) if acc is None else torch.baddbmm(acc, stu[i - 1], t)
+        h = acc if h is None else h.add_(acc)
+    return h
+
+
+def level_operands(stu: list[torch.Tensor], tea: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The pieces of :func:`split_pieces` stacked for :func:`exact_similarity_levels`: the student's along ``D``
+    (``[G, C, SPLIT_PIECES D]``, pieces 1, 2, ...) and, per level ``L = 2 .. SPLIT_PIECES + 1``, the teacher's
+    pieces ``L - 1, L - 2, ..., 1`` along ``D``, transposed (``[G, (L - 1) D, M]``), so that the student prefix of
+    ``L - 1`` pieces times it is the sum over the level's pairs ``(i, L - i)``."""
+    n = len(stu)
+    levels = [(tea[0] if level == 2 else torch.cat([tea[level - 1 - i] for i in range(1, level)], -1)).transpose(1, 2)
+              for level in range(2, n + 2)]
+    return torch.cat(stu, -1), levels
+
+
+def exact_similarity_levels(stu_cat: torch.Tensor, tea_levels: list[torch.Tensor]) -> torch.Tensor:
+    """:func:`exact_similarity` from :func:`level_operands`, one matmul per level instead of one per pair. Each
+    level's sum (over ``d`` and over its pairs) is exact whatever the summation order (the same integer products,
+    below ``2^53``), and the levels are added in the same order, so the result is bit-equal to it."""
+    d = stu_cat.shape[-1] // len(tea_levels)
+    h = None
+    for n_pairs, t in enumerate(tea_levels, start=1):
+        acc = torch.bmm(stu_cat[..., :n_pairs * d], t)
+        h = acc if h is None else h.add_(acc)
+    return h
