@@ -569,8 +569,10 @@ def _tree_rows(tq, uid):
         i += 1
 
 
+@pytest.mark.parametrize("backend", ["thread", "process"])
 def test_tree_loop_grows_one_tree_per_sample_and_verl_computes_tree_credit(transfer_queue, model_and_tokenizer,
-                                                                           tmp_path):
+                                                                           tmp_path, backend):
+    """On the process backend the forks restore snapshots that another worker process took."""
     from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
 
     import credit_plugins as cp
@@ -579,19 +581,21 @@ def test_tree_loop_grows_one_tree_per_sample_and_verl_computes_tree_credit(trans
     path = tmp_path / "tree.yaml"
     path.write_text("- name: tree_small\n  _target_: agentcredit.verl.search_loops.TreeAgentLoop\n  env_name: minigrid\n"
                     "  env_options: {size: 5}\n  max_steps: 3\n  initial: 2\n  iterations: 1\n  beam: 2\n"
-                    "  branches: 1\n  criterion: host\n")
+                    f"  branches: 1\n  criterion: host\n  env_backend: {backend}\n")
     for cfg in OmegaConf.load(path):
         _agent_loop_registry[cfg.name] = cfg
     torch.manual_seed(3)
     config = _search_config("at2po", n=1)
+    uid = f"tree_{backend}"
     try:
-        _rollout_group(config, [HFServer(model, tok)], tok, uid="tree", agent_name="tree_small", seed=SEED)
+        _rollout_group(config, [HFServer(model, tok)], tok, uid=uid, agent_name="tree_small", seed=SEED)
         with pytest.raises(Exception, match=r"rollout\.n=1"):  # hydra wraps the ValueError
-            _rollout_group(_search_config("at2po", n=2), [HFServer(model, tok)] * 2, tok, uid="tree2",
+            _rollout_group(_search_config("at2po", n=2), [HFServer(model, tok)] * 2, tok, uid=f"tree2_{backend}",
                            agent_name="tree_small", seed=SEED)
     finally:
         _agent_loop_registry.pop("tree_small", None)
-    rows = _tree_rows(transfer_queue, "tree")
+    rows = _tree_rows(transfer_queue, uid)
+    assert all(not r["extra"]["env_error"] for r in rows)
     ex = [r["extra"] for r in rows]
     ids = {e["traj_uid"] for e in ex}
     assert len(ids) == len(rows) and all(e["step_idx"] == 0 for e in ex)
