@@ -388,91 +388,150 @@ def _put_old_log_probs(tq, keys, value=-0.5):
         {"old_log_probs": torch.nested.as_nested_tensor(rows, layout=torch.jagged)}, batch_size=len(rows)))
 
 
-def test_v1_uniopsd_rescores_failed_rows_under_the_successful_siblings_actions(transfer_queue):
+def _spy_hindsight_columns(monkeypatch):
+    """The RowMeta columns the v1 wrap's hindsight scoring wrote, one dict per call (the wrap runs unchanged)."""
+    from agentcredit.verl import hindsight, hooks
+
+    seen = []
+
+    def spy(trainer, batch, meta, estimator, params):
+        stats = hindsight.add_hindsight_columns(trainer, batch, meta, estimator, params)
+        seen.append({k: [np.array(v) for v in meta.columns[k]] for k in meta.columns})
+        return stats
+
+    monkeypatch.setattr(hooks, "add_hindsight_columns", spy)
+    return seen
+
+
+def _columns(rows):
+    return torch.as_tensor(np.stack(rows))
+
+
+def _run_hindsight_v1(tq, monkeypatch, group, name="uniopsd", params=None, *, same_layout=None, temperature=1.0,
+                      old=-0.5, tokenizer=None, extra_info=None):
+    """One v1 ``_compute_advantage`` of hindsight estimator ``name`` over ROWS (``old_log_probs`` all ``old``) with
+    ``group`` as the actor worker group and ``algorithm.agentcredit_hindsight.same_layout`` left unset when None.
+    Returns the advantages ``[rows, RESP_LEN]``, the step metrics and the hindsight columns the wrap wrote."""
     from transfer_queue import KVBatchMeta
     from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 
+    keys = _write_rows(tq)
+    _put_old_log_probs(tq, keys, old)
+    config = _trainer_config(name, **(params or {}))
+    config.actor_rollout_ref.rollout.temperature = temperature
+    if same_layout is not None:
+        config.algorithm.agentcredit_hindsight = {"same_layout": same_layout}
+    columns = _spy_hindsight_columns(monkeypatch)
+    trainer = types.SimpleNamespace(config=config, tokenizer=tokenizer or _CharTokenizer(), actor_rollout_wg=group)
+    metrics = {}
+    batch = KVBatchMeta(partition_id="train", keys=list(keys), tags=[{"status": "success"}] * len(keys),
+                        extra_info=dict(extra_info or {}))
+    PPOTrainer._compute_advantage(trainer, batch, metrics=metrics)
+    adv = tq.kv_batch_get(keys=list(keys), partition_id="train", select_fields=["advantages"])["advantages"]
+    (cols,) = columns
+    return torch.stack(list(adv.unbind(0))).double(), metrics, cols
+
+
+#: ``algorithm.agentcredit_hindsight``: unset (the default, ``same_layout: true``) or the ``same_layout: false`` opt-out
+LAYOUTS = pytest.mark.parametrize("same_layout", [None, False], ids=["default", "same_layout_false"])
+
+
+@LAYOUTS
+def test_v1_uniopsd_rescores_failed_rows_under_the_successful_siblings_actions(transfer_queue, monkeypatch,
+                                                                                same_layout):
+    """By default each taught row is scored twice in the one hindsight pass, under the hindsight prompt and under its
+    own, next to each other, and ``logp_teacher = logp_old + (lp(hindsight) - lp(own))``; with ``same_layout: false``
+    once, and ``logp_teacher`` is the hindsight-prompt log-probs themselves."""
     from agentcredit.hindsight import PEER_HINDSIGHT_HEADER
     from agentcredit.verl import adapter
     from agentcredit.verl.hindsight import PARTITION
 
     adapter.INSTANCES.clear()
-    keys = _write_rows(transfer_queue)
-    _put_old_log_probs(transfer_queue, keys)
     group = _ActorGroup(transfer_queue)
-    config = _trainer_config("uniopsd", lam0=0.5, warmdown_steps=10)
-    config.actor_rollout_ref.rollout.temperature = 0.7
-    trainer = types.SimpleNamespace(config=config, tokenizer=_CharTokenizer(), actor_rollout_wg=group)
-    metrics = {}
     # verl's reference pass (before the advantage) leaves no_lora_adapter=True in the batch's extra_info
-    batch = KVBatchMeta(partition_id="train", keys=list(keys), tags=[{"status": "success"}] * len(keys),
-                        extra_info={"temperature": 0.7, "no_lora_adapter": True})
-    PPOTrainer._compute_advantage(trainer, batch, metrics=metrics)
-    adv = transfer_queue.kv_batch_get(keys=list(keys), partition_id="train", select_fields=["advantages"])["advantages"]
+    got, metrics, cols = _run_hindsight_v1(transfer_queue, monkeypatch, group, "uniopsd",
+                                           {"lam0": 0.5, "warmdown_steps": 10}, same_layout=same_layout,
+                                           temperature=0.7, extra_info={"temperature": 0.7, "no_lora_adapter": True})
 
     # one extra no-grad pass, over the 2 rows of the failed rollout a_1 (task a's a_0 succeeded; task b: no success)
     assert len(group.calls) == 1
     part, hs_keys, info, prompts, responses = group.calls[0]
-    assert part == PARTITION and len(hs_keys) == 3
+    assert part == PARTITION
     assert info["compute_loss"] is False and info["temperature"] == 0.7
     assert info["no_lora_adapter"] is False  # the hindsight teacher is the current policy, adapter included
     hindsight = PEER_HINDSIGHT_HEADER + "1. up\n2. left\n\nabc"  # a_0's actions, then a_1's own prompt
-    assert prompts == [[ord(c) for c in hindsight]] * 3
-    assert responses == [[10] * RESP_LEN, [11] * RESP_LEN, [10] * RESP_LEN]  # a_1's own response tokens
+    hs, own = [ord(c) for c in hindsight], [1, 2, 3]
+    lp_hindsight = torch.tensor(-0.001 * len(hs), dtype=torch.float32).double()  # the stand-in actor's scores
+    lp_own = torch.tensor(-0.001 * len(own), dtype=torch.float32).double()
+    a1 = [[10] * RESP_LEN, [11] * RESP_LEN]  # a_1's own response tokens, turn by turn
+    if same_layout is None:
+        # 2 scored rows per taught row, (hindsight, own) next to each other; 4 rows padded to dp 3 with repeats
+        assert len(hs_keys) == 6
+        assert prompts == [hs, own, hs, own, hs, own]
+        assert responses == [a1[0], a1[0], a1[1], a1[1], a1[0], a1[0]]
+        taught_lp = torch.tensor(-0.5, dtype=torch.float64) + (lp_hindsight - lp_own)  # logp_old + delta
+    else:
+        assert len(hs_keys) == 3
+        assert prompts == [hs] * 3
+        assert responses == [a1[0], a1[1], a1[0]]
+        taught_lp = lp_hindsight  # the hindsight pass's own scores, minus verl's pass's logp_old below
     assert transfer_queue.kv_list(PARTITION).get(PARTITION, {}) == {}  # the hindsight rows are gone
     assert metrics["agentcredit/hindsight_rows"] == 2
     assert metrics["agentcredit/hindsight_taught_frac"] == pytest.approx(2 / 6)
-    gap = abs(-0.001 * len(hindsight) - -0.5)
-    assert metrics["agentcredit/hindsight_gap_abs_mean"] == pytest.approx(gap, rel=1e-5)
+    assert metrics["agentcredit/hindsight_prefix_tokens"] == len(hs) - len(own)
+    assert metrics["agentcredit/hindsight_gap_abs_mean"] == pytest.approx(float(abs(taught_lp + 0.5)), rel=1e-12)
 
-    # the advantages are UniOPSD's on the same table, with logp_teacher = the hindsight scores on a_1's rows
+    # logp_teacher = taught_lp on a_1's rows, logp_old itself (bit for bit) elsewhere
     old = torch.full((len(ROWS), RESP_LEN), -0.5, dtype=torch.float64)
     teacher = old.clone()
-    teacher[2:4] = torch.tensor(-0.001 * len(hindsight), dtype=torch.float32).double()
+    teacher[2:4] = taught_lp
+    assert torch.equal(_columns(cols["logp_old"]), old)
+    assert torch.equal(_columns(cols["logp_teacher"]), teacher)
+
+    # the advantages are UniOPSD's on the same table
     steps = cp.StepTable(group=[r[0] for r in ROWS], traj=[r[1] for r in ROWS], t=[r[2] for r in ROWS],
                          state=[r[3] for r in ROWS], action=[r[4] for r in ROWS],
                          reward=[r[5] if r[5] is not None else 0.0 for r in ROWS],
                          extras={"logp_old": old, "logp_teacher": teacher,
                                  "response_mask": torch.ones(len(ROWS), RESP_LEN)})
     expected = cp.get("uniopsd").create(lam0=0.5, warmdown_steps=10)(steps)  # [S, L] token-level
-    got = torch.stack(list(adv.unbind(0))).double()
     assert torch.isfinite(got).all() and got.abs().sum() > 0
     assert torch.allclose(got, expected.double().reshape(got.shape), atol=1e-5)
     adapter.INSTANCES.clear()
 
 
-def test_v1_alignopsd_scores_each_row_under_its_sources_teacher_prompts(transfer_queue):
+@LAYOUTS
+def test_v1_alignopsd_scores_each_row_under_its_sources_teacher_prompts(transfer_queue, monkeypatch, same_layout):
     """AlignOPSD on verl: the hindsight pass of UniOPSD, then the rows' thinking embedded in the trainer process
     (agentcredit.thinking), AlignOPSD's own select_sources on them, and one more actor pass that scores each target's
-    response under its source's teacher prompt; the advantages are AlignOPSD's on a table built here by hand."""
-    from transfer_queue import KVBatchMeta
-    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
-
+    response under its source's teacher prompt; the advantages are AlignOPSD's on a table built here by hand. By
+    default each target is also scored under its own prompt in that pass, ``logp_cross = logp_old + delta``, and a
+    source whose teacher prompt is the target's own prompt is the same input: scored once, delta exactly 0."""
     from agentcredit.hindsight import PEER_HINDSIGHT_HEADER
     from agentcredit.thinking import hashed_ngram_embedding
     from agentcredit.verl import adapter
     from credit_plugins.estimators import alignopsd
 
     adapter.INSTANCES.clear()
-    keys = _write_rows(transfer_queue)
-    _put_old_log_probs(transfer_queue, keys)
     group = _ActorGroup(transfer_queue)
-    config = _trainer_config("alignopsd")
-    config.actor_rollout_ref.rollout.temperature = 1.0
-    trainer = types.SimpleNamespace(config=config, tokenizer=_CharTokenizer(), actor_rollout_wg=group)
-    metrics = {}
-    batch = KVBatchMeta(partition_id="train", keys=list(keys), tags=[{"status": "success"}] * len(keys))
-    PPOTrainer._compute_advantage(trainer, batch, metrics=metrics)
-    adv = transfer_queue.kv_batch_get(keys=list(keys), partition_id="train", select_fields=["advantages"])["advantages"]
+    got, metrics, cols = _run_hindsight_v1(transfer_queue, monkeypatch, group, "alignopsd", same_layout=same_layout)
 
     # embeddings of each row's decoded response (no <think> span: the whole response is the thinking)
     texts = [RESPONSE_TEXT[10 + r[2]] * RESP_LEN for r in ROWS]
     emb = hashed_ngram_embedding([[ord(c) for c in t] for t in texts]).double()
     hindsight = PEER_HINDSIGHT_HEADER + "1. up\n2. left\n\nabc"   # a_1's teacher prompt; every other row: "abc"
     prompt_len = [3, 3, len(hindsight), len(hindsight), 3, 3]
+    lp = {n: torch.tensor(-0.001 * n, dtype=torch.float32).double() for n in set(prompt_len)}  # the stand-in's
+    # what a row scores under the teacher prompt of row `source`: by default logp_old + (lp(that prompt) - lp(own))
+    if same_layout is None:
+        def scored(source):
+            return torch.tensor(-0.5, dtype=torch.float64) + (lp[prompt_len[source]] - lp[3])
+    else:
+        def scored(source):
+            return lp[prompt_len[source]]
     old = torch.full((len(ROWS), RESP_LEN), -0.5, dtype=torch.float64)
     teacher = old.clone()
-    teacher[2:4] = torch.tensor(-0.001 * len(hindsight), dtype=torch.float32).double()
+    teacher[2:4] = scored(2)
     steps = cp.StepTable(group=[r[0] for r in ROWS], traj=[r[1] for r in ROWS], t=[r[2] for r in ROWS],
                          reward=[r[5] if r[5] is not None else 0.0 for r in ROWS],
                          extras={"logp_old": old, "logp_teacher": teacher, "response_mask": torch.ones(6, RESP_LEN),
@@ -481,14 +540,26 @@ def test_v1_alignopsd_scores_each_row_under_its_sources_teacher_prompts(transfer
     # same task, other rollout, the same turn's identical text wins: a_0 <-> a_1 per turn, b_0 <-> b_1
     assert src[:, 0].tolist() == [2, 3, 0, 1, 5, 4] and (src[:, 1:] == -1).all()
     assert len(group.calls) == 2 and metrics["agentcredit/hindsight_cross_pairs"] == 6
+    assert len(group.calls[0][1]) == (6 if same_layout is None else 3)  # the hindsight pass (see the UniOPSD test)
     _, _, _, prompts, responses = group.calls[1]
-    assert [len(p) for p in prompts] == [prompt_len[s] for s in src[:, 0].tolist()]
-    assert responses == [[10 + r[2]] * RESP_LEN for r in ROWS]
+    if same_layout is None:
+        # targets 0, 1: (source's hindsight prompt, own prompt) next to each other; targets 2-5: their sources' teacher
+        # prompt is "abc", their own prompt, so each is one scored row; 8 rows padded to dp 3 with a repeat
+        order = [(0, len(hindsight)), (0, 3), (1, len(hindsight)), (1, 3), (2, 3), (3, 3), (4, 3), (5, 3),
+                 (0, len(hindsight))]
+    else:
+        order = [(target, prompt_len[source]) for target, source in enumerate(src[:, 0].tolist())]
+    assert [len(p) for p in prompts] == [n for _, n in order]
+    assert responses == [[10 + ROWS[target][2]] * RESP_LEN for target, _ in order]
     cross = torch.zeros(len(ROWS), src.shape[1], RESP_LEN, dtype=torch.float64)
     for target, source in enumerate(src[:, 0].tolist()):
-        cross[target, 0] = torch.tensor(-0.001 * prompt_len[source], dtype=torch.float32).double()
+        cross[target, 0] = scored(source)
+    assert torch.equal(_columns(cols["logp_teacher"]), teacher)
+    assert torch.equal(_columns(cols["logp_cross"]), cross)
+    assert _columns(cols["cross_src"]).tolist() == src.tolist()
+    if same_layout is None:  # identical inputs: logp_cross is logp_old bit for bit
+        assert torch.equal(cross[2:, 0], old[2:])
     expected = cp.get("alignopsd")(steps.with_extras({"logp_cross": cross, "cross_src": src}))
-    got = torch.stack(list(adv.unbind(0))).double()
     assert torch.isfinite(got).all() and got.abs().sum() > 0
     assert torch.allclose(got, expected.double(), atol=1e-5)
     adapter.INSTANCES.clear()

@@ -222,6 +222,10 @@ def test_topk_losses_never_materialise_a_float32_tokens_by_vocab_tensor(monkeypa
 
 
 # ---- 5. bf16 layout noise kept out of the hindsight gap -------------------------------------------------------------
+#: UniOPSD's hyperparameters in these tests
+UNIOPSD = {"lam0": 0.5, "warmdown_steps": 10}
+
+
 def _noisy_actor(tq):
     """test_verl_bridge's stand-in actor with a layout-dependent error: every log-prob of a call is off by
     0.01 x the number of rows in the call (bf16 GEMMs pick kernels by the batch's shape), the same within a call."""
@@ -265,37 +269,71 @@ def test_score_deltas_takes_both_sides_from_one_pass_and_identical_inputs_give_e
     torch.testing.assert_close(deltas[3], torch.full_like(deltas[3], -0.001), atol=1e-7, rtol=0)
 
 
-@pytest.mark.parametrize("same", [False, True])
-def test_same_layout_keeps_the_passes_layout_error_out_of_the_hindsight_gap(transfer_queue, same):
+@pytest.mark.parametrize("same", [None, True, False], ids=["default", "true", "false"])
+def test_same_layout_keeps_the_passes_layout_error_out_of_the_hindsight_gap(transfer_queue, monkeypatch, same):
     """UniOPSD's hindsight gap on a failed row: the true effect of the longer prompt is -0.001 per added token; verl's
-    own pass (old_log_probs) and the hindsight pass carry different layout errors. Without ``same_layout`` the gap
-    is the effect plus the difference of the two errors; with it, the effect alone."""
-    from tests.test_verl_bridge import _CharTokenizer, _put_old_log_probs, _trainer_config, _write_rows
-    from transfer_queue import KVBatchMeta
-    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+    own pass (old_log_probs) and the hindsight pass carry different layout errors. With ``same_layout`` (the default)
+    the gap is the effect alone; with ``same_layout: false`` the effect plus the difference of the two errors."""
+    from tests.test_verl_bridge import _run_hindsight_v1
 
     from agentcredit.hindsight import PEER_HINDSIGHT_HEADER
     from agentcredit.verl import adapter
 
     adapter.INSTANCES.clear()
-    keys = _write_rows(transfer_queue)
-    _put_old_log_probs(transfer_queue, keys, value=-0.003 + 0.06)  # verl's pass: 6 rows, its own layout error
-    group = _noisy_actor(transfer_queue)
-    config = _trainer_config("uniopsd", lam0=0.5, warmdown_steps=10)
-    config.actor_rollout_ref.rollout.temperature = 1.0
-    if same:
-        config.algorithm.agentcredit_hindsight = {"same_layout": True}
-    trainer = types.SimpleNamespace(config=config, tokenizer=_CharTokenizer(), actor_rollout_wg=group)
-    metrics = {}
-    batch = KVBatchMeta(partition_id="train", keys=list(keys), tags=[{"status": "success"}] * len(keys))
-    PPOTrainer._compute_advantage(trainer, batch, metrics=metrics)
+    # verl's pass: 6 rows, its own layout error
+    _, metrics, _ = _run_hindsight_v1(transfer_queue, monkeypatch, _noisy_actor(transfer_queue), "uniopsd",
+                                      UNIOPSD, same_layout=same, old=-0.003 + 0.06)
     grown = len(PEER_HINDSIGHT_HEADER + "1. up\n2. left\n\n")
     effect = 0.001 * grown
     gap = metrics["agentcredit/hindsight_gap_abs_mean"]
-    if same:
-        assert gap == pytest.approx(effect, abs=1e-6)
-    else:
+    if same is False:
         assert abs(gap - effect) > 0.01
+    else:
+        assert gap == pytest.approx(effect, abs=1e-6)
+    adapter.INSTANCES.clear()
+
+
+class _PrefixBlindTokenizer:
+    """test_verl_bridge's stand-in tokenizer, but encoding drops the privileged text: a taught row's hindsight prompt
+    is its own prompt (tokens 1, 2, 3), token for token."""
+
+    def __init__(self):
+        from tests.test_verl_bridge import _CharTokenizer
+
+        self.chars = _CharTokenizer()
+        self.decode, self.batch_decode = self.chars.decode, self.chars.batch_decode
+
+    def __call__(self, text, add_special_tokens=False):
+        assert text.endswith("abc")
+        return {"input_ids": [1, 2, 3]}
+
+
+@pytest.mark.parametrize("same", [None, False], ids=["default", "false"])
+def test_a_hindsight_prompt_equal_to_the_own_prompt_gives_exactly_zero_gap_by_default(transfer_queue, monkeypatch,
+                                                                                      same):
+    """Identical inputs: the taught rows' hindsight prompt tokenises to their own prompt and verl's old_log_probs are
+    the same model's scores of it, up to the layout error of verl's 6-row pass. By default the (row, prompt) pair is
+    scored once, so logp_teacher is logp_old bit for bit and the gap is exactly 0; with ``same_layout: false`` the
+    gap is the difference of the two passes' layout errors alone."""
+    from tests.test_verl_bridge import _columns, _run_hindsight_v1
+
+    from agentcredit.verl import adapter
+
+    adapter.INSTANCES.clear()
+    group = _noisy_actor(transfer_queue)
+    # old_log_probs: lp("abc") + the layout error of verl's 6-row pass
+    _, metrics, cols = _run_hindsight_v1(transfer_queue, monkeypatch, group, "uniopsd", UNIOPSD, same_layout=same,
+                                         old=-0.003 + 0.06, tokenizer=_PrefixBlindTokenizer())
+    (_, _, _, prompts, _), = group.calls
+    assert metrics["agentcredit/hindsight_rows"] == 2 and metrics["agentcredit/hindsight_prefix_tokens"] == 0
+    assert prompts == [[1, 2, 3]] * 3  # 2 scored rows either way (one per taught row), padded to dp 3
+    old, teacher = _columns(cols["logp_old"]), _columns(cols["logp_teacher"])
+    if same is None:
+        assert torch.equal(teacher, old)
+        assert metrics["agentcredit/hindsight_gap_abs_mean"] == 0.0
+    else:  # verl's pass: 6 rows (+0.06); the hindsight pass: 3 rows (+0.03)
+        assert metrics["agentcredit/hindsight_gap_abs_mean"] == pytest.approx(0.03, abs=1e-6)
+        assert torch.equal(teacher[[0, 1, 4, 5]], old[[0, 1, 4, 5]])
     adapter.INSTANCES.clear()
 
 
@@ -304,8 +342,11 @@ def test_same_layout_is_a_boolean():
 
     from agentcredit.verl.hindsight import same_layout
 
-    assert same_layout(OmegaConf.create({"algorithm": {}})) is False
+    assert same_layout(OmegaConf.create({"algorithm": {}})) is True  # the default
+    assert same_layout(OmegaConf.create({"algorithm": {"agentcredit_hindsight": {}}})) is True
+    assert same_layout(OmegaConf.create({"algorithm": {"agentcredit_hindsight": None}})) is True
     assert same_layout(OmegaConf.create({"algorithm": {"agentcredit_hindsight": {"same_layout": True}}})) is True
+    assert same_layout(OmegaConf.create({"algorithm": {"agentcredit_hindsight": {"same_layout": False}}})) is False
     with pytest.raises(ValueError, match="same_layout"):
         same_layout(OmegaConf.create({"algorithm": {"agentcredit_hindsight": {"same_layout": "yes"}}}))
     with pytest.raises(ValueError, match="unknown key"):

@@ -22,15 +22,18 @@ The extra forward is the one verl uses for ``old_log_probs``: ``self.actor_rollo
 ``calculate_entropy=False, compute_loss=False`` as ``_compute_ref_log_prob`` sets them). The hindsight rows are written
 to a private TransferQueue partition (:data:`PARTITION`, cleared in a ``finally``) the way verl's own batch balancing
 writes its synthetic padding rows (``verl.trainer.ppo.padding_utils``): a copy of the source row with ``prompts`` =
-the re-tokenised hindsight prompt, ``input_ids = prompts + responses`` (the same response tokens), a fresh
-``position_ids``; the worker reads them like any batch and writes ``log_probs`` back, which are cut to the response
-with verl's ``response_from_nested``. The batch is padded with repeats of its rows to a multiple of the actor's data-
-parallel size (the dispatch splits it evenly).
+the re-tokenised hindsight prompt (and, by default, a second copy with the row's own prompt: ``same_layout`` below),
+``input_ids = prompts + responses`` (the same response tokens), a fresh ``position_ids``; the worker reads them
+like any batch and writes ``log_probs`` back, which are cut to the response with verl's ``response_from_nested``. The
+batch is padded with repeats of its rows to a multiple of the actor's data-parallel size (the dispatch splits it
+evenly).
 
 What the estimator gets (:class:`~agentcredit.verl.contract.RowMeta` columns, one entry per batch row):
 
 * ``logp_old``: the row's ``old_log_probs`` (verl's own recomputation, float32 per response token);
-* ``logp_teacher``: the hindsight-prompt log-probs for taught rows, ``logp_old`` itself elsewhere (delta = 0);
+* ``logp_teacher``: for taught rows ``logp_old + (lp(hindsight prompt) - lp(own prompt))``, both ``lp`` from the one
+  hindsight pass (the default ``same_layout``, below; with ``same_layout: false`` the hindsight-prompt log-probs
+  themselves); ``logp_old`` itself elsewhere (delta = 0);
 * ``response_mask``: the row's response mask (0/1).
 
 Peer choice and prompt text are :mod:`agentcredit.hindsight` (shared with TRL): a failed trajectory's peer is the
@@ -41,7 +44,7 @@ of the row's last user message (``<|im_start|>user\\n``). Step metrics: ``agentc
 the taught rows' mask tokens), ``agentcredit/hindsight_prefix_tokens`` (mean prompt growth) and
 ``agentcredit/hindsight_seconds``.
 
-AlignOPSD (the extras it adds to UniOPSD's, ``DISTILL.md`` §8):
+AlignOPSD (the extras it adds to UniOPSD's):
 
 * ``emb_teacher`` / ``emb_student``: AlignOPSD compares the turns' *thinking*. The authors embed the thinking text
   with a frozen encoder; verl 0.9.1's actor worker returns no hidden states (``infer_batch`` gives ``log_probs`` and
@@ -58,16 +61,22 @@ AlignOPSD (the extras it adds to UniOPSD's, ``DISTILL.md`` §8):
 
 Step metric ``agentcredit/hindsight_cross_pairs``.
 
-bf16 layout noise (``algorithm.agentcredit_hindsight.same_layout: true``): ``old_log_probs`` come from verl's own
-pass over the whole batch and the hindsight scores from another pass over other rows, so in bf16 the two sides of
-``logp_teacher - logp_old`` are computed with different packing / micro-batch shapes, and that noise (measured by
-``benchmarks/bf16_noise.py``) goes straight into the credit. With ``same_layout`` each scored row is also scored under
-its **own** prompt in the same ``compute_log_prob`` call, next to its hindsight (or cross) entry, and the columns
-become ``logp_teacher = logp_old + (lp(hindsight prompt) - lp(own prompt))`` (``logp_cross`` alike): the gap the
-estimator sees is a difference of one pass. Identical inputs (a cross source whose teacher prompt is the target's own
-prompt) are scored once, so their gap is exactly 0 (:func:`score_deltas`). It costs one more scored row per taught
-row (and per target). verl's ``compute_log_prob`` has no per-call precision switch (FSDP's mixed precision is fixed
-when the engine is built), so an fp32 pass is not an option. Default off.
+bf16 layout noise: ``algorithm.agentcredit_hindsight.same_layout``, **true by default**. ``old_log_probs`` come from
+verl's own pass over the whole batch and the hindsight scores from another pass over other rows, so in bf16 the two
+sides of ``logp_teacher - logp_old`` are computed with different packing / micro-batch shapes; the packing alone moves
+a log-prob by up to 0.056 (mean 4.6e-3) on a CPU (``benchmarks/bf16_noise.py``), and that noise would go straight into
+the credit, on every taught token, as if the hindsight prompt had caused it. So by default each scored row is also
+scored under its **own** prompt in the same ``compute_log_prob`` call, next to its hindsight (or cross) entry, and
+the columns are ``logp_teacher = logp_old + (lp(hindsight prompt) - lp(own prompt))`` (``logp_cross`` alike): the gap
+the estimator sees is a difference of one pass, and ``logp_old`` stays verl's own value (untaught rows keep
+``logp_teacher = logp_old`` exactly). Identical inputs (a cross source whose teacher prompt is the target's own
+prompt, a hindsight prompt that tokenises to the row's own) are scored once, so their gap is exactly 0
+(:func:`score_deltas`). The cost: one more scored row per taught row, and one per cross target (a row's own prompt is
+scored once however many sources it has), in the same passes (no extra ``compute_log_prob`` call).
+``same_layout: false`` (``+algorithm.agentcredit_hindsight.same_layout=false`` on verl's command line) is the cheaper
+opt-out: only the hindsight / cross rows are scored and subtracted from ``old_log_probs`` of verl's pass, layout noise
+included. verl's ``compute_log_prob`` has no per-call precision switch (FSDP's mixed precision is fixed when the
+engine is built), so an fp32 pass is not an option.
 
 Not supported: multimodal rows; the legacy trainer
 (``trainer.use_v1=False``).
@@ -94,7 +103,7 @@ from .contract import RowMeta, build_step_table
 __all__ = ["ALIGN_COLUMNS", "COLUMNS", "CONFIG_KEY", "PARTITION", "add_hindsight_columns", "field_rows",
            "needs_hindsight", "same_layout", "score_deltas", "score_prompts"]
 
-#: ``algorithm.<CONFIG_KEY>``: ``{same_layout: false}`` (see the module doc)
+#: ``algorithm.<CONFIG_KEY>``: ``{same_layout: true}`` (the default; ``false`` opts out, see the module doc)
 CONFIG_KEY = "agentcredit_hindsight"
 
 #: the TransferQueue partition the hindsight rows live in while the actor scores them
@@ -220,10 +229,11 @@ def score_prompts(trainer, batch, rows: Sequence[int], prompts: Sequence[Sequenc
 
 
 def same_layout(config: Any) -> bool:
-    """``algorithm.agentcredit_hindsight.same_layout`` (False when unset)."""
+    """``algorithm.agentcredit_hindsight.same_layout`` (True when unset: the hindsight gap and ``logp_cross`` are
+    differences within one pass, see the module doc)."""
     algo = config.get("algorithm", None) if hasattr(config, "get") else getattr(config, "algorithm", None)
     block = algorithm_mapping(algo, CONFIG_KEY, ("same_layout",)) or {}
-    value = block.get("same_layout", False)
+    value = block.get("same_layout", True)
     if not isinstance(value, bool):
         raise ValueError(f"algorithm.{CONFIG_KEY}.same_layout must be true or false, got {value!r}")
     return value
