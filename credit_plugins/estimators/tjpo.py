@@ -159,7 +159,7 @@ ESTIMATOR = Estimator(
     fn=tjpo,
     params=TJPOParams,
     paper="Trajectory-guided Joint Policy Optimization (arXiv:2609.38805; abstract only, mechanics reconstructed "
-          "per spec DISTILL.md §10.2)",
+          "by this project: see the docs page of tjpo)",
     formula=__doc__.split("\n\n")[2],
     extras=(Extra(DESCRIPTOR, "env"),),
     reference=tjpo_reference,
