@@ -1,8 +1,9 @@
 """The worker process of :class:`env_adapters.executor.ProcessHandle`: one env instance, driven over two pipes.
 
-``python -m env_adapters.env_worker READ_FD WRITE_FD``. Messages (cloudpickled bytes) in: ``("start", name, options)`` once (builds the
-env), then ``("call", fn, args, kwargs)`` (runs ``fn(env, *args, **kwargs)``), ``None`` to exit. Each message gets
-one reply, ``("ok", value)`` or ``("error", traceback text)``. EOF on the read pipe (the caller died) ends it.
+``python -m env_adapters.env_worker READ_FD WRITE_FD``. Messages (cloudpickled bytes) in: ``("start", name,
+options)`` once (builds the env), then ``("call", fn, args, kwargs)`` (runs ``fn(env, *args, **kwargs)``), ``None``
+to exit. Each message gets one reply, ``("ok", value)`` or ``("error", traceback text)``. EOF on the read pipe (the
+caller died) ends it.
 """
 
 from __future__ import annotations

@@ -709,7 +709,8 @@ def test_env_faults_are_contained_marked_and_counted_and_a_limit_stops_the_step(
     for steps in rows["late"].values():
         assert len(steps) == 1  # turn 0 played; turn 1's step raised
         e = steps[0]["extra"]
-        assert e["env_error"] == "error" and "InjectedFault" in e["env_error_detail"] and "seed=3" in e["env_error_detail"]
+        assert e["env_error"] == "error"
+        assert "InjectedFault" in e["env_error_detail"] and "seed=3" in e["env_error_detail"]
         assert e["truncated"] and not e["success"] and not e["env_fault_row"]
         assert int(steps[0]["response_mask"].sum()) > 0 and e["action_key"] == "turn left"
     for steps in rows["early"].values():

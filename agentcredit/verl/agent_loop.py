@@ -72,9 +72,9 @@ The loop never calls the env on verl's event loop (all the worker's sessions sha
 :attr:`EnvAgentLoop.envs`, the worker process's :class:`env_adapters.executor.EnvExecutor` for the loop options
 ``env_backend`` (``thread`` | ``process`` | ``ray``), ``env_workers`` (pool threads, 128), ``env_timeout_s`` (per call,
 120), ``env_start_timeout_s`` (per build, 600), ``env_reuse`` (reset a released env for the next session of the same
-env and options, default true) and ``env_backend_options``. A turn costs three round trips: the view (state key,
-legal actions, task), the generation, and one call that computes the action key and the decision-state extras, then
-steps (:mod:`env_adapters.turns`). An :class:`~env_adapters.executor.EnvFault` (the env raised, hung past its
+env and options, default true) and ``env_backend_options``. A turn costs two env round trips around its generation:
+the view (state key, legal actions, task), and one call that computes the action key and the decision-state extras,
+then steps (:mod:`env_adapters.turns`). An :class:`~env_adapters.executor.EnvFault` (the env raised, hung past its
 timeout, or its process / actor died) ends the episode: its rows so far are kept with their rewards, every row gets
 ``truncated`` true, ``success`` false, ``env_error`` (the kind) and ``env_error_detail`` (env, seed, call and
 traceback); the turn whose env call faulted is not recorded. An episode whose env failed before its first turn
@@ -154,8 +154,8 @@ def _sample_field(kwargs: Mapping[str, Any], name: str, default: Any = None) -> 
 
 def _policy_versions(steps: list[dict[str, Any]], kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The weight versions (``min/max_global_steps``) of a Guided-OPD teacher turn or an env-fault placeholder: no
-    policy server reported them, and verl's step metrics need one on every row. The policy turns' of the episode (min and max over them);
-    with none, ``global_steps - 1`` (what a synchronous policy server reports while rolling out step ``global_steps``:
+    policy server reported them, and verl's step metrics need one on every row. The policy turns' of the episode
+    (min and max over them); with none, ``global_steps - 1`` (what a synchronous policy server reports while rolling out step ``global_steps``:
     the trainer pushes version k at the end of step k)."""
     own = [s["server_extra"] for s in steps if not s["extra"].get("by_teacher")]
     lo = [int(x["min_global_steps"]) for x in own if x.get("min_global_steps") is not None]
@@ -167,7 +167,9 @@ def _policy_versions(steps: list[dict[str, Any]], kwargs: Mapping[str, Any]) -> 
 def fault_fields(fault: EnvFault | None) -> dict[str, str]:
     """The ``env_error`` / ``env_error_detail`` fields of a row: the fault's kind and its summary and traceback ("" and
     "" without a fault)."""
-    return {ENV_ERROR: fault.kind if fault else "", ENV_ERROR_DETAIL: f"{fault.summary()}\n{fault.detail}" if fault else ""}
+    if fault is None:
+        return {ENV_ERROR: "", ENV_ERROR_DETAIL: ""}
+    return {ENV_ERROR: fault.kind, ENV_ERROR_DETAIL: f"{fault.summary()}\n{fault.detail}"}
 
 
 def _plain(value: Any) -> Any:

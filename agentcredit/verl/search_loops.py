@@ -127,7 +127,8 @@ class TreeAgentLoop(EnvAgentLoop):
                 if parent >= 0:
                     tree[parent].children.append(node.id)
                 if result.done or depth + 1 >= max_steps:
-                    node.leaf, node.success, node.truncated = True, bool(result.done and result.success), not result.done
+                    node.leaf, node.truncated = True, not result.done
+                    node.success = bool(result.done and result.success)
                     return
                 parent, depth, ret, fresh = node.id, depth + 1, node.path_return, False
                 observation = result.observation
