@@ -23,6 +23,11 @@ batch with L = 64 token log-probs, the hindsight gap on the failed trajectories 
 embeddings, AlignOPSD with its K = 3 cross passes), ``asct`` (decision rows with 4 legal actions), ``sipo`` /
 ``at2po`` / ``treerl`` / ``tree_grpo`` (trees of 4 chains + 4 forks over 8-step chains, ~48 nodes each).
 
+In that table AlignOPSD gets a second row, ``before``: the same batch in the same process with its correspondence
+swapped for the pre-issue-39 one (exact fixed-point float64 similarities, ``benchmarks/_alignopsd_exact.py``; the
+rest of the estimator as now), one run; ``peak MB`` there is one call's resident memory above the starting level.
+``--extended-only`` runs only that table, ``--no-before`` skips the before row (about a minute at 10^6 rows).
+
 Columns: time of the vectorised estimator (the StepTable is built once beforehand, its build time is printed
 separately), rows per second, time of the loop reference on the same batch (above --naive-limit rows,
 it runs on a prefix of whole groups and is scaled linearly, marked '~'), the ratio, peak extra memory, and the
@@ -223,12 +228,38 @@ EXTENDED = {"uniopsd": lambda n: hindsight_batch(n), "alignopsd": lambda n: hind
             "tree_grpo": tree_batch}
 
 
-def run_extended(sizes, repeat: int, names=None, hindsight_limit: int = 10**9) -> None:
-    """The rollout-specific estimators against GiGPO on the flat batch of the same size (see the module doc)."""
+def alignopsd_before():
+    """A context in which AlignOPSD runs its correspondence as before issue 39 (exact fixed-point float64
+    similarities in the table's row order, ``benchmarks/_alignopsd_exact.py``): the "before" row of the second
+    table, timed on the same batch in the same process. Not an option of the estimator."""
+    import contextlib
+
+    from credit_plugins.estimators import alignopsd
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _alignopsd_exact
+
+    @contextlib.contextmanager
+    def swapped():
+        saved = alignopsd._correspondence
+        alignopsd._correspondence = _alignopsd_exact.exact_correspondence
+        try:
+            yield
+        finally:
+            alignopsd._correspondence = saved
+
+    return swapped()
+
+
+def run_extended(sizes, repeat: int, names=None, hindsight_limit: int = 10**9, before: bool = True) -> None:
+    """The rollout-specific estimators against GiGPO on the flat batch of the same size (see the module doc).
+    With ``before``, AlignOPSD also runs its pre-issue-39 exact correspondence on the same batch (one run, row
+    ``alignopsd-`` ``before``), and the ``peak MB`` column is the resident memory above the starting level of one call."""
     names = [n for n in (names or EXTENDED) if n in EXTENDED and n in cp.available()]
     if not names:
         return
-    print(f"\n{'estimator':<10} {'S':>9} {'time s':>8} {'rows/s':>11} {'gigpo s':>8} {'vs gigpo':>9} {'step %':>8}")
+    print(f"\n{'estimator':<10} {'S':>9} {'time s':>8} {'rows/s':>11} {'gigpo s':>8} {'vs gigpo':>9} {'peak MB':>8} "
+          f"{'step %':>8}")
     for size in sizes:
         flat = cp.StepTable(**alfworld_like_batch(size))
         base = best_of(lambda: run_estimator("gigpo", flat), repeat)
@@ -237,11 +268,20 @@ def run_extended(sizes, repeat: int, names=None, hindsight_limit: int = 10**9) -
                 continue  # [S, 64] token blocks (and AlignOPSD's [S, 3, 64] cross scores) take GBs at 1e6 rows
             steps = cp.StepTable(**EXTENDED[name](size))
             run_estimator(name, steps)
+            with PeakRSS() as mem:
+                run_estimator(name, steps)
             fast = best_of(lambda: run_estimator(name, steps), repeat)
+            rows = [(name, fast, mem.extra_mb)]
+            if before and name == "alignopsd":
+                with alignopsd_before():
+                    with PeakRSS() as old_mem:
+                        old = best_of(lambda: run_estimator(name, steps), 1)
+                rows.append(("  before", old, old_mem.extra_mb))
             n = steps.n_steps
-            share = 100 * fast / (STEP_SECONDS * n / STEP_ROWS)
-            print(f"{name:<10} {n:>9} {fast:>8.3f} {n / fast:>11.3g} {base:>8.3f} {fast / base:>8.1f}x "
-                  f"{share:>7.4f}%", flush=True)
+            for label, t, mb in rows:
+                share = 100 * t / (STEP_SECONDS * n / STEP_ROWS)
+                print(f"{label:<10} {n:>9} {t:>8.3f} {n / t:>11.3g} {base:>8.3f} {t / base:>8.1f}x {mb:>8.0f} "
+                      f"{share:>7.4f}%", flush=True)
 
 
 def naive_functions():
@@ -290,6 +330,9 @@ def main(argv=None):
                         help="run the per-row reference on at most this many rows and scale linearly above")
     parser.add_argument("--hindsight-limit", type=int, default=10**9,
                         help="skip UniOPSD/AlignOPSD above this many rows (their token blocks take GBs at 1e6)")
+    parser.add_argument("--no-before", action="store_true",
+                        help="skip AlignOPSD's 'before' row (its pre-issue-39 exact correspondence, ~1 min at 1e6)")
+    parser.add_argument("--extended-only", action="store_true", help="only the second table")
     args = parser.parse_args(argv)
     if args.shape == "all":  # every shape in one run; the one-group shapes up to 1e5 rows (their issue-17 size)
         rest = list(sys.argv[1:] if argv is None else argv)
@@ -299,6 +342,9 @@ def main(argv=None):
             main([*rest, "--shape", shape, "--sizes", *map(str, sizes)])  # the last --shape/--sizes win
         return
 
+    if args.extended_only:
+        run_extended(args.sizes, args.repeat, args.estimators, args.hindsight_limit, not args.no_before)
+        return
     naive = naive_functions()
     flat = args.shape == "alfworld"
     names = [n for n in (args.estimators or (cp.available() if flat else ["graphhca", "crbc"])) if n in naive]
@@ -334,7 +380,7 @@ def main(argv=None):
             print(f"{name:<10} {n:>9} {build:>8.3f} {fast:>8.3f} {n / fast:>11.3g} {mark}{slow:>9.2f} "
                   f"{slow / fast:>7.0f}x {mem.extra_mb:>8.0f} {share:>7.4f}%", flush=True)
     if flat:
-        run_extended(args.sizes, args.repeat, args.estimators, args.hindsight_limit)
+        run_extended(args.sizes, args.repeat, args.estimators, args.hindsight_limit, not args.no_before)
 
 
 if __name__ == "__main__":

@@ -901,3 +901,45 @@ def test_a_group_too_large_for_memory_raises_before_allocating(monkeypatch):
         mod.select_sources(steps)
     monkeypatch.setattr(m1, "MAX_BLOCK_BYTES", 1 << 30)
     assert mod.alignopsd(steps, mod.AlignOPSDParams()).shape == (n, 1)
+
+
+# ---- issue 39: the lean call, duplicate rollouts ---------------------------------------------------------------------
+@settings(max_examples=30, deadline=None)
+@given(batches(), params_strategy(), st.sampled_from(["hierarchical", "flat_turn", "random", "flat_token"]))
+def test_the_registered_fn_equals_the_terms_advantage(batch, p, allocation):
+    """``alignopsd`` keeps no [S, L] intermediate (one value per row broadcast over its mask tokens, except
+    flat_token); it gives the advantages of ``alignopsd_terms`` (zeros off the mask may differ in sign only)."""
+    import dataclasses
+    p = dataclasses.replace(p, allocation=allocation)
+    steps = table_for(batch, p)
+    got, want = mod.alignopsd(steps, p), mod.alignopsd_terms(steps, p).advantage
+    assert got.dtype == torch.float64 and torch.equal(got, want)
+
+
+def test_duplicate_rollouts_get_identical_credit_whatever_their_labels():
+    """Two rollouts of identical content (and a third that differs) in a group large enough for vectorised float32
+    sums: the duplicates' rows get bit-equal distances and advantages, under either order of their labels."""
+    rng = np.random.default_rng(5)
+    n_turns, dim = 24, 16
+    dup_t, dup_s = rng.normal(size=(n_turns, dim)), rng.normal(size=(n_turns, dim))
+    emb_t = np.concatenate([dup_t, dup_t, rng.normal(size=(n_turns, dim))])
+    emb_s = np.concatenate([dup_s, dup_s, rng.normal(size=(n_turns, dim))])
+    lp = np.tile(-rng.exponential(1.0, (n_turns, 2)), (3, 1))
+    lp_t = lp + np.tile(rng.normal(0, 0.5, (n_turns, 2)), (3, 1))
+    extras = {"logp_old": torch.tensor(lp), "logp_teacher": torch.tensor(lp_t), "response_mask": torch.ones(3 * n_turns, 2),
+              "emb_teacher": torch.tensor(emb_t), "emb_student": torch.tensor(emb_s)}
+    reward = [0.0] * (3 * n_turns)
+    reward[3 * n_turns - 1] = 10.0
+    p = mod.AlignOPSDParams(tau_sim=-1.0, theta_min=0.0, theta_max=1.0, quantile=0.5, min_seg=1, max_seg=4)
+    outs = []
+    for names in (["a", "b", "c"], ["b", "a", "c"]):
+        traj = [names[i // n_turns] for i in range(3 * n_turns)]
+        steps = cp.StepTable(group=[0] * (3 * n_turns), traj=traj, t=[i % n_turns for i in range(3 * n_turns)],
+                             reward=reward, extras=extras)
+        terms = mod.alignopsd_terms(steps, p)
+        dist = steps.to_input_order(terms.distance)
+        assert torch.equal(dist[:n_turns], dist[n_turns:2 * n_turns]) and bool((dist[:n_turns] > 0).any())
+        adv = mod.ESTIMATOR(steps, **vars(p))
+        assert torch.equal(adv[:n_turns], adv[n_turns:2 * n_turns])
+        outs.append(adv)
+    assert torch.equal(outs[0], outs[1])

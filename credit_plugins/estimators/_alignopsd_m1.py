@@ -13,12 +13,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..hashing import GOLDEN64 as _GOLDEN, MASK64, mix64, signed64 as _signed  # noqa: F401
 from ..steptable import StepTable
 
-__all__ = ["TaskBlocks", "task_blocks", "unit_rows", "content_key", "row_content", "mix64", "correspondence_chunks",
+__all__ = ["TaskBlocks", "task_blocks", "unit_rows", "content_key", "row_keys", "row_content", "mix64", "correspondence_chunks",
            "chunk_rows", "Correspondence", "sources_per_row", "source_weights", "confidence", "aggregate_cross",
            "rectify"]
 
@@ -110,13 +111,22 @@ def task_blocks(steps: StepTable, key: torch.Tensor) -> TaskBlocks:
                       n_rollouts=int(tcount.max()) if n else 0, prev=prev, group_key=group_key, twin=twin)
 
 
+UNIT_BLOCK_ELEMS = 1 << 18  # entries per row block of unit_rows' float64 normalisation
+
+
 def unit_rows(emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """L2-normalised rows (normalised in float64, returned in float32) and the mask of non-empty ones (an
-    all-zero row means "thinking empty")."""
-    e = emb.to(torch.float64)
-    norm = e.norm(dim=-1)
-    nonzero = norm > 0
-    return (e / torch.where(nonzero, norm, 1.0)[:, None]).to(torch.float32), nonzero
+    """L2-normalised rows (normalised in float64 row block by row block, returned in float32) and the mask of
+    non-empty ones (an all-zero row means "thinking empty")."""
+    n, d = emb.shape
+    out = torch.empty(n, d, dtype=torch.float32)
+    nonzero = torch.empty(n, dtype=torch.bool)
+    step = max(1, UNIT_BLOCK_ELEMS // max(d, 1))
+    for i in range(0, n, step):
+        e = emb[i:i + step].to(torch.float64)
+        norm = e.norm(dim=-1)
+        nonzero[i:i + step] = norm > 0
+        out[i:i + step] = e / torch.where(norm > 0, norm, 1.0)[:, None]
+    return out, nonzero
 
 
 # ---- content keys (tie-breaking that never looks at labels or row order) -------------------------------------------
@@ -126,20 +136,48 @@ TIE_SALT = 0x5EED_A11C  # salt of the source tie-break key (fixed, so select_sou
 KEY_BLOCK_ELEMS = 1 << 17  # entries per row block of content_key's hashing
 
 
+_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's multipliers (..hashing.mix64)
+
+
+def _mix64_np(z: np.ndarray) -> np.ndarray:
+    """:func:`mix64` on a uint64 numpy array (in place; numpy's uint64 shifts are logical and its products wrap),
+    several times faster than torch's int64 shifts on this CPU."""
+    z ^= z >> np.uint64(30)
+    z *= np.uint64(_MIX1)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(_MIX2)
+    z ^= z >> np.uint64(31)
+    return z
+
+
+def _key_sums(pieces: list[torch.Tensor], salt: int) -> np.ndarray:
+    """``sum_j mix64(bits_j + (j + 1) golden + salt)`` (uint64, wrapping) of each row of the columns ``pieces``
+    (each [S] or [S, F], read as float64 bit patterns with -0.0 as 0.0), row block by row block."""
+    n = pieces[0].shape[0]
+    width = sum(1 if x.ndim == 1 else x.shape[1] for x in pieces)
+    with np.errstate(over="ignore"):
+        cols = (np.arange(1, width + 1, dtype=np.uint64) * np.uint64(_GOLDEN)) + np.uint64(salt & MASK64)
+    sums = np.empty(n, dtype=np.uint64)
+    step = max(1, KEY_BLOCK_ELEMS // max(width, 1))
+    for i in range(0, n, step):  # row blocks that stay in cache; the wrapping sums are exact in any grouping
+        v = torch.cat([(x[i:i + step, None] if x.ndim == 1 else x[i:i + step]).to(torch.float64) for x in pieces], 1)
+        bits = (v + 0.0).numpy().view(np.uint64)
+        sums[i:i + step] = _mix64_np(bits + cols).sum(1, dtype=np.uint64)
+    return sums
+
+
 def content_key(values: torch.Tensor, salt: int) -> torch.Tensor:
     """[S] int64 hash of each row of ``values`` [S, F] (float64 bit patterns, -0.0 read as 0.0):
     ``mix64(sum_j mix64(bits_j + (j + 1) golden + salt))`` with wrapping sums. A function of the row's values
     only, never of its position or labels."""
-    v = values.to(torch.float64) + 0.0
-    bits = v.contiguous().view(torch.int64)
-    cols = (torch.arange(1, v.shape[1] + 1, dtype=torch.int64) * _signed(_GOLDEN)) + _signed(salt)
-    n, step = bits.shape[0], max(1, KEY_BLOCK_ELEMS // max(bits.shape[1], 1))
-    if n <= step:
-        return mix64(mix64(bits + cols).sum(-1))
-    sums = torch.empty(n, dtype=torch.int64)
-    for i in range(0, n, step):  # row blocks that stay in cache; the wrapping sums are exact in any grouping
-        torch.sum(mix64(bits[i:i + step] + cols), -1, out=sums[i:i + step])
-    return mix64(sums)
+    return torch.from_numpy(_mix64_np(_key_sums([values], salt)).view(np.int64))
+
+
+def row_keys(steps: StepTable, emb_teacher: torch.Tensor, emb_student: torch.Tensor, salt: int) -> torch.Tensor:
+    """``content_key(row_content(steps, emb_teacher, emb_student), salt)`` without building the ``[S, 2 + 2D]``
+    float64 content."""
+    pieces = [steps.t, steps.reward, emb_teacher, emb_student]
+    return torch.from_numpy(_mix64_np(_key_sums(pieces, salt)).view(np.int64))
 
 
 def row_content(steps: StepTable, emb_teacher: torch.Tensor, emb_student: torch.Tensor) -> torch.Tensor:

@@ -47,17 +47,21 @@ Decisions where the spec is open or reconstructed:
   distances. The defaults are ``beyond_timestamps_trainer.yaml`` (alpha_max 0.80, not the code fallback 0.20),
   except ``grpo_scope="turn"``: the yaml's base value is ``trajectory`` but five of the six launchers
   (CONFIGS.md) set ``turn``; Search-3B uses ``trajectory`` with ``log_mean``.
-* [R] Tie-breaking of equal similarities: by the source's content key, a splitmix64 hash of its turn index,
-  reward and raw teacher/student embeddings (``_alignopsd_m1.content_key``), never by trajectory/group labels or
-  row order (the authors sort by the string identity ``(task, rollout, turn)``, so renaming rollouts could change
-  a third rollout's credit). Only rows of identical content fall back to their position, and they carry the same
-  similarity. ``allocation="random"`` ranks cuts by a hash of ``seed``, the rollout's content key (the wrapping
-  sum of its rows' keys) and the cut position, so relabelling or reordering rollouts keeps every rollout's spans.
-  H is computed in float64 (the authors: float32) exactly from a fixed-point split of the unit embeddings
-  (``_alignopsd_m1.exact_similarity``: three ~22-bit pieces per component, each level of partial products summed
-  exactly by BLAS), so each entry is a function of its two rows only and equal embeddings give bit-equal
-  similarities whatever their positions; a similarity within float32 rounding of ``tau_sim`` may be kept here and
-  dropped there.
+* [R] Canonical order instead of exact arithmetic (issue 39). Before any arithmetic, each task group's rows are
+  sorted by their content key, a splitmix64 hash of the row's turn index, reward and raw teacher/student embeddings
+  (``_alignopsd_m1.content_key``; rows of identical content by their rollout's key, the mixed sum of its rows'
+  keys), and the groups of a size bucket by theirs. H is then computed in float32 (the authors: float32) by one
+  batched GEMM per chunk of these canonical blocks, sources are picked by first maximum (ties go to the lower
+  canonical position, i.e. the lower content key), and the results are scattered back. The GEMM operands, and so
+  every rounding, are a function of the batch's content alone in a given process (same shapes and order into
+  BLAS), never of trajectory/group labels or row positions (the authors sort by the string identity
+  ``(task, rollout, turn)``, so renaming rollouts could change a third rollout's credit). Rows of duplicate
+  rollouts (identical content throughout) take the first copy's profile distances, which their float32 sums would
+  otherwise round differently. Against exact float64 similarities (the loop reference) a decision can differ only
+  where the values it compares lie within float32 resolution (two similarities, a similarity and ``tau_sim``, a
+  profile distance and ``theta``). ``allocation="random"`` ranks cuts by a hash of ``seed``, the rollout's content
+  key (the wrapping sum of its rows' keys) and the cut position, so relabelling or reordering rollouts keeps every
+  rollout's spans.
 * [R] A group with one rollout gets ``A_traj = 0`` (the authors' code raises; GRPO needs two siblings and the
   spec asks for 0, not verl's ``R / (1 + eps)``); a group whose returns are all equal gets 0 as well (std 0).
 * [R] ``valid`` residual: the episode outcome is the table's return ``R = sum_t r_t`` broadcast to the turns, as
@@ -73,13 +77,15 @@ Decisions where the spec is open or reconstructed:
   ``sum_k N_k w_k = sum_k N_k`` to float64 rounding (RuntimeError past 1e-9 relative, or if a weight leaves its
   band by more than 1e-9). Not implemented: the optional action-embedding filter (action cosine >= 0.80) and the
   protocol term of B; the SDAR-gated M1-only auxiliary loss belongs to the trainer, not to this estimator.
-* Memory: H, B and the profiles are computed over chunks of target rows, ``[G, C, M]`` at a time (M = most turn
-  rows in one task group of the size bucket, groups bucketed by size within a factor 2^(1/4); ``C`` from
-  ``_alignopsd_m1.DEFAULT_CHUNK_ELEMENTS``), never the full ``[G, M, M]``; the results depend neither on ``C`` nor
-  on the bucketing. A ValueError names the group size before a chunk that would exceed
-  ``_alignopsd_m1.MAX_BLOCK_BYTES`` is allocated (use smaller task groups). Time is O(sum_g M_g^2 D): every turn
-  is compared with every turn of its task group (the profiles P[t, :] are dense over the group, so a top-K index
-  cannot replace the full comparison without changing the distances).
+* Memory: H and the profiles are computed over chunks, ``[G, C, M]`` at a time (whole groups while ``M^2`` fits
+  ``_alignopsd_m1.DEFAULT_CHUNK_ELEMENTS``, else ``C`` target rows of every group; M = most turn rows in one task
+  group of the size bucket, groups bucketed by size within a factor 2^(1/4)), never the full ``[G, M, M]``; the
+  chunk shapes are a function of the content, and another chunk size can only move a similarity by its last float32
+  bit. A ValueError names the group size before a chunk that would exceed ``_alignopsd_m1.MAX_BLOCK_BYTES`` is
+  allocated (use smaller task groups). The ``[S, L]`` token work runs in row blocks and keeps no ``[S, L]``
+  intermediate unless :func:`alignopsd_terms` asks for them. Time is O(sum_g M_g^2 D): every turn is compared with
+  every turn of its task group (the profiles P[t, :] are dense over the group, so a top-K index cannot replace the
+  full comparison without changing the distances). CPU only here; no GPU path was built or measured.
 """
 
 import math
@@ -242,7 +248,7 @@ def _float_block(steps: StepTable, name: str, ndim: int, convert: bool = True) -
 
 
 def _embeddings(steps: StepTable) -> tuple[torch.Tensor, torch.Tensor]:
-    et, es = _float_block(steps, "emb_teacher", 2), _float_block(steps, "emb_student", 2)
+    et, es = _float_block(steps, "emb_teacher", 2, convert=False), _float_block(steps, "emb_student", 2, convert=False)
     if et.shape != es.shape:
         raise ValueError(f"extras['emb_teacher'] has shape {tuple(et.shape)} but extras['emb_student'] has "
                          f"{tuple(es.shape)}; both are [S, D] embeddings from the same encoder")
@@ -403,7 +409,7 @@ def _correspondence(steps: StepTable, p: AlignOPSDParams, with_profiles: bool = 
     et, es = _embeddings(steps)
     teacher, t_ok = m1.unit_rows(et)
     student, s_ok = m1.unit_rows(es)
-    key = m1.content_key(m1.row_content(steps, et, es), m1.TIE_SALT)
+    key = m1.row_keys(steps, et, es, m1.TIE_SALT)
     blocks = m1.task_blocks(steps, key)
     corr = m1.correspondence_chunks(blocks, teacher, t_ok, student, s_ok, p.tau_sim, p.top_k, p.t_prof,
                                     p.distance, steps.n_steps, with_profiles)
