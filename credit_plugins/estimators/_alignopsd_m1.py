@@ -299,8 +299,13 @@ def _profile(h: torch.Tensor, top: torch.Tensor, t_prof: float) -> torch.Tensor:
     return e.div_(e.sum(-1, keepdim=True))
 
 
+TINY = float(torch.finfo(torch.float32).tiny)
+
+
 def _entropy(p: torch.Tensor) -> torch.Tensor:
-    return torch.special.entr(p).sum(-1)
+    """``-sum p log p`` over the last dim (0 log 0 = 0): vectorised ``log`` (``torch.special.entr`` is a scalar loop),
+    the same operations for every row, so equal rows give bit-equal entropies."""
+    return torch.clamp_min(p, TINY).log_().mul_(p).sum(-1).neg_()
 
 
 def _distance(p: torch.Tensor, q: torch.Tensor, hp: torch.Tensor, hq: torch.Tensor, mode: str,
