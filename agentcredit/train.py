@@ -263,13 +263,24 @@ def _keep_archive_until(path: Path, run_id: str, step: int) -> int:
     return len(kept)
 
 
+def training_processes() -> int:
+    """How many training processes this run has (``WORLD_SIZE``, as torchrun / accelerate set it; 1 alone)."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
 def preflight(recipe: Recipe, config: Any, overwrite: bool = False) -> dict[str, Any]:
     """Everything a run can get wrong before any model loads: ``output_dir`` is a writable folder, no other live run
     holds it (:class:`agentcredit.lifecycle.RunLock`, kept in the result's ``lock``), an earlier run in it is resumed
     or explicitly overwritten (never silently mixed), every path it reads exists (model, teacher, checkpoint) and
     every file it writes (the rollout archive) is writable. Returns ``out_dir``, ``lock``, ``resume`` (a checkpoint
     folder or None), ``run_id`` and ``archive``."""
+    from .trl.generation import check_vllm_settings
+
     ac = recipe.agentcredit
+    try:  # before TRL starts a vLLM engine the multi-turn rollouts could not drive
+        check_vllm_settings(config, training_processes())
+    except ValueError as e:
+        raise RecipeError(str(e)) from None
     out_dir = lifecycle.check_out_dir("output_dir", config.output_dir)
     lifecycle.check_model_path("model_name_or_path", recipe.model_args.get("model_name_or_path"),
                                fix="give an existing model folder, a hub id or a built-in name")

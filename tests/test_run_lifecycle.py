@@ -241,6 +241,16 @@ def test_bad_paths_are_found_before_any_model_loads(tmp_path, capsys, no_model_l
            "resume_from_checkpoint=", "no such checkpoint folder")
 
 
+def test_a_vllm_setup_the_rollouts_cannot_drive_is_refused_before_any_model_loads(tmp_path, capsys, no_model_load,
+                                                                                    monkeypatch):
+    """use_vllm with server mode on two processes: refused by the preflight, before TRL would start the engine."""
+    from agentcredit import train
+
+    monkeypatch.setattr(train, "training_processes", lambda: 2)  # as WORLD_SIZE=2 under torchrun
+    _fails(capsys, ["train", _recipe(tmp_path), "use_vllm=true", "vllm_mode=server"], "vllm_mode='server'",
+           "on 2 training processes")
+
+
 def test_a_folder_with_a_run_or_a_live_lock_is_refused_and_overwrite_clears_it(tmp_path, capsys, no_model_load):
     recipe = _recipe(tmp_path)
     out = tmp_path / "out"
