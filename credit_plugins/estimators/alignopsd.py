@@ -282,10 +282,7 @@ def _token_inputs(steps: StepTable) -> tuple[torch.Tensor, torch.Tensor, torch.T
         if lp.shape != mask.shape:
             raise ValueError(f"extras[{name!r}] has shape {tuple(lp.shape)} but extras['response_mask'] has "
                              f"{tuple(mask.shape)}; give one log-prob per response token [S, L]")
-        for i, j in _row_blocks(lp.shape[0], lp.shape[1]):
-            if bool((mask[i:j] & ~torch.isfinite(lp[i:j])).any()):
-                _check_finite(steps, name, lp, mask)  # names the count and the first row
-        out.append(lp)
+        out.append(lp)  # finiteness on mask tokens: checked by the token pass (:func:`_check_tokens`)
     return out[0], out[1], mask
 
 
@@ -328,11 +325,7 @@ def _cross_inputs(steps: StepTable, p: AlignOPSDParams, src: torch.Tensor, mask:
                          f"{int(steps.order[r])}: got {cs[r].tolist()}, expected {expected[r].tolist()}; run the "
                          f"cross teacher-forced passes for exactly the pairs select_sources returns, with the same "
                          f"embeddings and tau_sim/top_k")
-    has = src >= 0
-    for i, j in _row_blocks(s, p.top_k * length):  # row blocks: no [S, K, L] temporaries
-        if bool((has[i:j, :, None] & mask[i:j, None, :] & ~torch.isfinite(lp[i:j])).any()):
-            _check_finite(steps, "logp_cross", lp, has[:, :, None] & mask[:, None, :])  # names the count and row
-    return lp
+    return lp  # finiteness where it is used: checked by the token pass (:func:`_check_tokens`)
 
 
 BLOCK_ELEMS = 1 << 18  # [S, K, L] entries per row block of the cross-score aggregation
@@ -349,6 +342,7 @@ class _Tokens:
     logp_cross: torch.Tensor | None  # [S, L] (keep only)
     lp_rect: torch.Tensor | None  # [S, L] (keep only)
     gap: torch.Tensor | None  # [S, L] (keep only)
+    cross_finite: bool  # every logp_cross value read (a source slot, a mask token) is finite
 
 
 def _token_pass(logp_old: torch.Tensor, logp_teacher: torch.Tensor, mask: torch.Tensor, n_tok: torch.Tensor,
@@ -364,6 +358,7 @@ def _token_pass(logp_old: torch.Tensor, logp_teacher: torch.Tensor, mask: torch.
     turn_gap = torch.empty(s, dtype=torch.float64)
     full = (lambda: torch.empty(s, length, dtype=torch.float64)) if keep else (lambda: None)
     cross_all, rect_all, gap_all = full(), full(), full()
+    cross_finite = True
     for i, j in _row_blocks(s, width):
         m = mask[i:j]
         lo = torch.where(m, logp_old[i:j].to(torch.float64), 0.0)
@@ -373,13 +368,27 @@ def _token_pass(logp_old: torch.Tensor, logp_teacher: torch.Tensor, mask: torch.
         else:
             h = has[i:j]
             lp = torch.where(h[:, :, None] & m[:, None, :], logp_cross[i:j].to(torch.float64), 0.0)
+            cross_finite = cross_finite and bool(torch.isfinite(lp.sum()))  # -inf alone would not show in g
             cross = m1.aggregate_cross(lp, omega[i:j], h, ld, mode)
             rect = m1.rectify(ld, cross, alpha[i:j])
         gap = torch.where(m, rect - lo, 0.0)
         turn_gap[i:j] = gap.sum(1) / n_tok[i:j]
         if keep:
             cross_all[i:j], rect_all[i:j], gap_all[i:j] = cross, rect, gap
-    return _Tokens(turn_gap, cross_all, rect_all, gap_all)
+    return _Tokens(turn_gap, cross_all, rect_all, gap_all, cross_finite)
+
+
+def _check_tokens(steps: StepTable, tok: _Tokens, logp_old: torch.Tensor, lp_diag: torch.Tensor, mask: torch.Tensor,
+                  logp_cross: torch.Tensor | None, has: torch.Tensor) -> None:
+    """A ValueError naming the field, count and first row of a NaN/inf log-prob on a mask token (of a source slot,
+    for ``logp_cross``). Any such value makes a row's mean gap non-finite (or, for ``logp_cross``, its block sum),
+    so the full checks run only then."""
+    if tok.cross_finite and bool(torch.isfinite(tok.turn_gap).all()):
+        return
+    _check_finite(steps, "logp_old", logp_old, mask)
+    _check_finite(steps, "logp_teacher", lp_diag, mask)
+    if logp_cross is not None:
+        _check_finite(steps, "logp_cross", logp_cross, has[:, :, None] & mask[:, None, :])
 
 
 def _valid(steps: StepTable) -> torch.Tensor | None:
@@ -581,6 +590,7 @@ def _run(steps: StepTable, p: AlignOPSDParams, keep: bool) -> AlignOPSDTerms | t
     n_tok = mask.sum(1).to(torch.float64)
     tok = _token_pass(logp_old, lp_diag, mask, n_tok, logp_cross, omega, has, alpha, p.aggregation,
                       keep or p.allocation == "flat_token")
+    _check_tokens(steps, tok, logp_old, lp_diag, mask, logp_cross, has)
 
     # M2: profiles, adjacent distances, threshold
     dist, bvalid = c.dist, c.bvalid
