@@ -13,7 +13,9 @@ lower medians, the 1e-9 / 1e-12 relative tolerances of "constant" anchor groups 
 teacher-off; AlignOPSD's tie-breaking by the source's content key (a splitmix64 hash of the row's turn index,
 reward and raw embeddings, re-implemented here on Python ints), the ``log S`` entropy normaliser, the flat-token
 weights without mu mixing, the random spans ranked by a seeded hash of the rollout's content key and the cut
-position (the same hash as the estimator, so the same spans), and the invalid-action residual. Only the inputs are checked that the arithmetic needs (mask tokens present, cross sources as selected).
+position (the same hash as the estimator, so the same spans), and the invalid-action residual. The similarities
+stay exact (float64 sums here) while the estimator computes them in float32 in a canonical row order (issue 39):
+the tests allow a decision to differ only where the exact values it compares lie within float32 resolution. Only the inputs are checked that the arithmetic needs (mask tokens present, cross sources as selected).
 """
 
 from __future__ import annotations
