@@ -66,8 +66,10 @@ def _run(recipe: str, workdir: Path, steps: int = 2, overrides=(), n: int | None
 def _check_step(m: dict, *, trajectories: int | None = TASKS * SESSIONS, exact_rows: bool = True,
                 nonzero_adv: bool = True, padding: bool = False) -> None:
     """``padding``: verl's batch balancing may add padding rows (a row count that episodes ending early leave
-    indivisible); the bridge drops them."""
-    assert m["agentcredit/padding_rows"] == 0 or (padding and m["agentcredit/padding_rows"] > 0)
+    indivisible); the bridge drops them. An episode that solved its room ends early too, so a solved step may have
+    padding whatever ``padding`` says (the primed tiny model seldom solves one; CI saw it once)."""
+    solved = m["critic/score/max"] >= SUCCESS_REWARD / 2
+    assert m["agentcredit/padding_rows"] == 0 or ((padding or solved) and m["agentcredit/padding_rows"] > 0)
     if trajectories is not None:
         assert m["agentcredit/trajectories"] == trajectories
     steps = m["agentcredit/steps"]
