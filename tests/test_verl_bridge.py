@@ -646,10 +646,9 @@ def _ccm_fields(row):
     return {"ccm_teacher_prompt_ids": CCM_TEACHER, "ccm_action_start": CCM_START.get(row[1], -1)}
 
 
-def test_v1_ccm_distillation_adds_the_gated_teacher_term_on_action_tokens(transfer_queue):
-    """CCM on verl (agentcredit.verl.ccm): the reference policy (the frozen initial model) scores each eligible
-    row's action tokens after its full-history prompt; lambda * sigma(beta (lp_T - lp_old)) is added to the
-    advantage of those tokens only."""
+def _ccm_step(transfer_queue, ref_config=None):
+    """One v1 advantage step of the CCM rows with the stand-in reference group (``ref_config``: the trainer's
+    ``actor_rollout_ref.ref`` block); ``(keys, ref, metrics)``."""
     from transfer_queue import KVBatchMeta
     from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 
@@ -658,12 +657,22 @@ def test_v1_ccm_distillation_adds_the_gated_teacher_term_on_action_tokens(transf
     ref = _RefGroup(transfer_queue)
     config = _trainer_config(step_weight=0.5)
     config.actor_rollout_ref.rollout.temperature = 1.0
+    if ref_config is not None:
+        config.actor_rollout_ref.ref = ref_config
     config.algorithm.agentcredit_ccm = {"distill_lambda": 0.01, "distill_beta": 5.0}
     trainer = types.SimpleNamespace(config=config, tokenizer=_CharTokenizer(), actor_rollout_wg=ref,
                                     ref_policy_wg=ref, use_reference_policy=True, ref_in_actor=False)
     metrics = {}
     batch = KVBatchMeta(partition_id="train", keys=list(keys), tags=[{"status": "success"}] * len(keys))
     PPOTrainer._compute_advantage(trainer, batch, metrics=metrics)
+    return keys, ref, metrics
+
+
+def test_v1_ccm_distillation_adds_the_gated_teacher_term_on_action_tokens(transfer_queue):
+    """CCM on verl (agentcredit.verl.ccm): the reference policy (the frozen initial model) scores each eligible
+    row's action tokens after its full-history prompt; lambda * sigma(beta (lp_T - lp_old)) is added to the
+    advantage of those tokens only."""
+    keys, ref, metrics = _ccm_step(transfer_queue)
     adv = transfer_queue.kv_batch_get(keys=list(keys), partition_id="train", select_fields=["advantages"])["advantages"]
 
     (part, hs_keys, info, prompts, responses), = ref.calls

@@ -108,23 +108,9 @@ def test_cap_teacher_prompt_keeps_the_tail():
 def test_ccm_scores_each_teacher_sequence_within_verls_token_budget(transfer_queue):
     """The stand-in reference group of test_verl_bridge; ``log_prob_max_token_len_per_gpu = 6`` with dynamic batch
     sizes: the 5-token full-history prompts plus 3 action tokens are cut to their last 3 tokens."""
-    from tests.test_verl_bridge import (CCM_TEACHER, ROWS, _CharTokenizer, _ccm_fields, _put_old_log_probs, _RefGroup,
-                                        _trainer_config, _write_rows)
-    from transfer_queue import KVBatchMeta
-    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+    from tests.test_verl_bridge import CCM_TEACHER, ROWS, _ccm_step
 
-    keys = _write_rows(transfer_queue, more=_ccm_fields)
-    _put_old_log_probs(transfer_queue, keys)
-    ref = _RefGroup(transfer_queue)
-    config = _trainer_config(step_weight=0.5)
-    config.actor_rollout_ref.rollout.temperature = 1.0
-    config.actor_rollout_ref.ref = {"log_prob_use_dynamic_bsz": True, "log_prob_max_token_len_per_gpu": 6}
-    config.algorithm.agentcredit_ccm = {"distill_lambda": 0.01, "distill_beta": 5.0}
-    trainer = types.SimpleNamespace(config=config, tokenizer=_CharTokenizer(), actor_rollout_wg=ref,
-                                    ref_policy_wg=ref, use_reference_policy=True, ref_in_actor=False)
-    metrics = {}
-    batch = KVBatchMeta(partition_id="train", keys=list(keys), tags=[{"status": "success"}] * len(keys))
-    PPOTrainer._compute_advantage(trainer, batch, metrics=metrics)
+    _, ref, metrics = _ccm_step(transfer_queue, {"log_prob_use_dynamic_bsz": True, "log_prob_max_token_len_per_gpu": 6})
     (_, _, _, prompts, responses), = ref.calls
     assert all(len(p) + len(r) <= 6 for p, r in zip(prompts, responses))
     assert prompts == [CCM_TEACHER[-3:]] * 4 and len(ROWS) == 6
