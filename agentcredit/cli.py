@@ -11,7 +11,7 @@ import sys
 
 from credit_plugins import registry
 
-KINDS = ("estimators", "schedulers", "envs")
+KINDS = ("estimators", "schedulers", "terms", "envs")
 
 
 def _cmd_list(args: argparse.Namespace) -> int:

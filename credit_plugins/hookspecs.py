@@ -30,5 +30,10 @@ def agentcredit_schedulers():
 
 
 @hookspec
+def agentcredit_terms():
+    """Return a list of objects with a ``name`` attribute: auxiliary training terms (``distill_plugins.terms``)."""
+
+
+@hookspec
 def agentcredit_envs():
     """Return a list of objects with a ``name`` attribute: environment adapters (``env_adapters``)."""

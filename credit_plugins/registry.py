@@ -72,7 +72,7 @@ def _collect(kind: str) -> dict[str, tuple[Any, str]]:
 
 
 def collect(kind: str) -> dict[str, tuple[Any, str]]:
-    """``{name: (item, provider)}`` for ``kind`` in ``estimators``, ``schedulers``, ``envs``."""
+    """``{name: (item, provider)}`` for ``kind`` in ``estimators``, ``schedulers``, ``terms``, ``envs``."""
     return dict(_collect(kind))
 
 
