@@ -13,6 +13,7 @@ The top-level keys are exactly what ``trl grpo --config`` takes for the trainer 
       episodes_per_group: 8           # rollouts per seed
       credit: gigpo
       credit_params: {gamma: 0.9}
+      terms: {sprpo: {sigma: 0.05}}   # auxiliary training terms (agentcredit list terms), optional
 
 :func:`load_recipe` merges ``key=value`` overrides (``agentcredit.credit=graphhca``, ``learning_rate=1e-4``), checks
 every key and name (a ``ValueError`` naming the key, listing the valid values and suggesting close matches), builds
@@ -42,8 +43,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Recipe", "AgentCreditConfig", "EvalConfig", "WarmStartConfig", "RecipeError", "load_recipe", "is_verl_recipe",
-           "BRIDGES", "PROMPT_STYLES", "parse_overrides", "apply_overrides", "check_seed_budget"]
+__all__ = ["Recipe", "AgentCreditConfig", "EvalConfig", "WarmStartConfig", "SFT_POLICIES", "RecipeError", "load_recipe", "is_verl_recipe",
+           "BRIDGES", "PROMPT_STYLES", "parse_overrides", "apply_overrides", "check_seed_budget", "check_terms"]
 
 BRIDGES = ("rollout_func", "environment_factory")
 #: ``agentcredit.rollout``: what the rollout_func bridge plays (agentcredit.trl.rollouts / agentcredit.trl.search_rollouts)
@@ -76,15 +77,22 @@ class EvalConfig:
         return list(range(int(self.seeds[0]), int(self.seeds[1])))
 
 
+#: who plays the supervised warm start's episodes (``agentcredit sft --policy``, ``agentcredit.warm_start.policy``)
+SFT_POLICIES = ("expert", "random")
+
+
 @dataclass
 class WarmStartConfig:
     """A supervised warm start before RL (``agentcredit.warm_start``): :func:`agentcredit.sft.run_sft` on the env's
-    scripted expert in the rollout's own turn format, made once per ``output_dir`` (``<output_dir>/warm_start``)."""
+    scripted expert (``policy: expert``) or on uniformly random legal actions (``policy: random``: teaches the answer
+    format and nothing about the task) in the rollout's own turn format, made once per ``output_dir``
+    (``<output_dir>/warm_start``)."""
 
     steps: int = 400
     batch_size: int = 32
     learning_rate: float = 1e-3
     episodes: int = 1024
+    policy: str = "expert"
 
 
 @dataclass
@@ -108,6 +116,8 @@ class AgentCreditConfig:
     schedule: str | None = None
     schedule_params: dict[str, Any] = field(default_factory=dict)
     teacher: str | None = None  # a model path / hub id / built-in name, or "ema" (an EMA of the student, LSD)
+    #: auxiliary training terms (``agentcredit list terms``): ``{name: {param: value}}``, each run by its TRL mixin
+    terms: dict[str, dict[str, Any]] = field(default_factory=dict)
     freeze_layers: int = 0
     lora: dict[str, Any] | None = None
     train_seeds: list[int] = field(default_factory=lambda: [0, 100000])  # half-open range [lo, hi)
@@ -422,6 +432,9 @@ def _warm_start(block: Any) -> WarmStartConfig | None:
         for key in ("steps", "batch_size", "episodes"):
             _positive(f"warm_start.{key}", getattr(ws, key))
         _positive_number("warm_start.learning_rate", ws.learning_rate)
+        if ws.policy not in SFT_POLICIES:
+            raise RecipeError(f"agentcredit.warm_start.policy={ws.policy!r}; choose one of {list(SFT_POLICIES)} "
+                              f"(expert: the env's scripted expert; random: uniformly random legal actions)")
     return ws
 
 
@@ -502,6 +515,7 @@ def _agentcredit(block: Any, model_args: dict[str, Any], build_env: bool) -> Age
     elif ac.schedule_params or ac.teacher is not None:
         raise RecipeError("agentcredit.schedule_params / agentcredit.teacher are set but agentcredit.schedule is null; "
                           "set a schedule (agentcredit list schedulers) or remove them")
+    ac.terms = check_terms(ac.terms)
 
     # model adaptation: lora (or ModelConfig's use_peft) xor freeze_layers
     if ac.lora is None and model_args.get("use_peft"):
@@ -542,14 +556,48 @@ def _agentcredit(block: Any, model_args: dict[str, Any], build_env: bool) -> Age
         except (MemoryError, OverflowError) as e:
             raise RecipeError(f"agentcredit.env_options {ac.env_options} for env {ac.env!r} build a game too large "
                               f"for this machine ({type(e).__name__}); use smaller sizes") from None
-        if ac.warm_start is not None:
+        if ac.warm_start is not None and ac.warm_start.policy == "expert":
             try:
                 env.reset(ac.train_seeds[0])
                 env.expert_actions()
             except (AttributeError, NotImplementedError):
                 raise RecipeError(f"agentcredit.warm_start needs a scripted expert (expert_actions()); env {ac.env!r} "
-                                  f"with {ac.env_options} has none (MiniGrid with moves=absolute has one)") from None
+                                  f"with {ac.env_options} has none (MiniGrid with moves=absolute has one); "
+                                  f"warm_start.policy=random needs none") from None
     return ac
+
+
+def check_terms(block: Any, where: str = "agentcredit.terms", bridge: str = "trl") -> dict[str, dict[str, Any]]:
+    """``agentcredit.terms``: null or a mapping ``{term name: its parameters (a mapping, or null for the defaults)}``;
+    each name a registered term (``agentcredit list terms``) that ``bridge`` runs, each parameter checked by the term's
+    ``TermSpec.make_params``. Returns the block with ``{}`` for null parameters; a ``RecipeError`` names the key."""
+    from credit_plugins import registry
+
+    if block is None:
+        return {}
+    if not isinstance(block, dict):
+        raise RecipeError(f"{where} must be a mapping {{term name: {{param: value}}}} (e.g. {{sprpo: {{}}}}) or null, "
+                          f"got {block!r}")
+    known = registry.available("terms")
+    out: dict[str, dict[str, Any]] = {}
+    for name, params in block.items():
+        if name not in known:
+            raise RecipeError(f"{where}: {name!r} is not a registered term{_suggest(str(name), known)}; available: "
+                              f"{', '.join(known) or '(none registered)'}")
+        spec = registry.get(name, kind="terms")
+        if bridge not in spec.bridges:
+            raise RecipeError(f"{where}.{name}: term {name!r} runs on {', '.join(spec.bridges)}, not on {bridge}")
+        if params is None:
+            params = {}
+        if not isinstance(params, dict):
+            raise RecipeError(f"{where}.{name} must be a mapping of the term's parameters (agentcredit describe "
+                              f"{name}) or null for the defaults, got {params!r}")
+        try:
+            spec.make_params(**params)
+        except (ValueError, TypeError) as e:
+            raise RecipeError(f"{where}.{name}: {e}") from e
+        out[str(name)] = dict(params)
+    return out
 
 
 def _check_env_option_types(env: str, options: dict[str, Any], spec: Any) -> None:

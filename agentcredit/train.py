@@ -91,7 +91,7 @@ def warm_start(recipe: Recipe, out_dir: Path) -> str:
                           "agentcredit.warm_start=null")
     target = out_dir / "warm_start"
     want = sft.fingerprint(recipe, episodes=ws.episodes, steps=ws.steps, batch_size=ws.batch_size,
-                           learning_rate=ws.learning_rate)
+                           learning_rate=ws.learning_rate, **sft.player_setting(ws.policy))
     done = target / "sft_summary.json"
     if done.exists() and (target / "config.json").exists():
         try:
@@ -101,10 +101,11 @@ def warm_start(recipe: Recipe, out_dir: Path) -> str:
         if have == want:
             print(f"agentcredit train: warm start reused from {target}", flush=True)
             return str(target)
-    print(f"agentcredit train: warm start: {ws.steps} supervised steps on the scripted expert -> {target}", flush=True)
+    who = "the scripted expert" if ws.policy == "expert" else "uniformly random legal actions"
+    print(f"agentcredit train: warm start: {ws.steps} supervised steps on {who} -> {target}", flush=True)
     models.build_atomically(target, lambda tmp: sft.run_sft(
         recipe, str(tmp), episodes=ws.episodes, steps=ws.steps, batch_size=ws.batch_size,
-        learning_rate=ws.learning_rate, eval=False, final_out=str(target)), replace=True)
+        learning_rate=ws.learning_rate, eval=False, final_out=str(target), player=ws.policy), replace=True)
     return str(target)
 
 
@@ -344,7 +345,7 @@ def _run(recipe: Recipe, config: Any, plan: dict[str, Any], steps: int, eval: bo
     if ac.schedule is not None:
         distill = {"schedule_params": dict(ac.schedule_params), "teacher": ac.teacher}
     trainer_cls = make_trainer(grpo_trainer(), credit=ac.credit, schedule=ac.schedule, **distill,
-                                          **ac.credit_params)
+                               terms=dict(ac.terms) or None, **ac.credit_params)
     ccm = getattr(bridge_kwargs.get("rollout_func"), "ccm_distill", None)
     if ccm is not None and ccm[0] > 0:  # rollout: memory (CCM): privileged full-history distillation
         from .trl.ccm import with_ccm
@@ -387,7 +388,7 @@ def _run(recipe: Recipe, config: Any, plan: dict[str, Any], steps: int, eval: bo
     summary = {
         "recipe": str(recipe.path), "overrides": list(recipe.overrides), "credit": ac.credit,
         "credit_params": dict(ac.credit_params), "schedule": ac.schedule,
-        "schedule_params": dict(ac.schedule_params), "teacher": ac.teacher, "env": ac.env, "env_options": dict(ac.env_options),
+        "schedule_params": dict(ac.schedule_params), "teacher": ac.teacher, "terms": dict(ac.terms), "env": ac.env, "env_options": dict(ac.env_options),
         "bridge": ac.bridge, "model": recipe.model_args["model_name_or_path"],
         "steps": done, "max_steps": steps, "wall_seconds": round(wall, 2),
         "train_seconds": round(train_seconds, 2), "trainable_parameters": trainable,

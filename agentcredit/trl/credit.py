@@ -72,8 +72,8 @@ from credit_plugins.steptable import StepTable, list_block
 from ..state import load_state
 from ._compat import TRLInternalsChanged, check_trl, checkpoint_folder, grpo_trainer
 
-__all__ = ["CreditMixin", "make_trainer", "check_trl", "TRLInternalsChanged", "turn_ids_from_mask", "StepRow",
-           "STATE_FILE"]
+__all__ = ["CreditMixin", "make_trainer", "term_mixin", "check_trl", "TRLInternalsChanged", "turn_ids_from_mask",
+           "StepRow", "STATE_FILE"]
 
 logger = logging.getLogger("agentcredit")
 
@@ -399,16 +399,30 @@ class CreditMixin:
             self._agentcredit.load_state_dict(saved["state"])
 
 
+def term_mixin(name: str) -> type:
+    """The TRL mixin that runs the registered term ``name``: the spec's ``trl_mixin`` (``"module:Class"``) when it
+    has one, else ``TermMixin`` of the module ``agentcredit.trl.<name>`` (the built-in terms)."""
+    import importlib
+
+    spec = registry.get(name, kind="terms")
+    if "trl" not in getattr(spec, "bridges", ("trl",)):
+        raise ValueError(f"term {name!r} runs on {', '.join(spec.bridges)}, not on TRL")
+    module, _, attr = (getattr(spec, "trl_mixin", None) or f"{__package__}.{name}:TermMixin").partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 def make_trainer(base: type | None = None, credit: str = "grpo", schedule: str | None = None,
                  name: str | None = None, *, schedule_params: dict[str, Any] | None = None, teacher: Any = None,
-                 **credit_params: Any) -> type:
+                 terms: dict[str, dict[str, Any] | None] | None = None, **credit_params: Any) -> type:
     """A subclass of ``base`` (default ``trl.GRPOTrainer``) whose advantages come from the estimator ``credit``.
 
     ``credit_params`` are the estimator's parameters (``agentcredit describe NAME``); they are validated here, so a
     typo fails before any model is loaded. ``schedule`` names a registered distillation scheduler
     (``agentcredit list schedulers``; an unknown one is a ``ValueError`` listing them) with ``schedule_params``; it
     adds :class:`agentcredit.trl.distill.DistillMixin` in front, with ``teacher`` (a model path / hub id, or ``"ema"``;
-    or pass ``teacher_model=`` to the trainer).
+    or pass ``teacher_model=`` to the trainer). ``terms`` maps registered auxiliary terms (``agentcredit list terms``)
+    to their parameters (``None``: the defaults); each adds its mixin (:func:`term_mixin`) in front, which reads its
+    parameters from the class attribute ``terms``.
     """
     if base is None:
         base = grpo_trainer()
@@ -424,5 +438,11 @@ def make_trainer(base: type | None = None, credit: str = "grpo", schedule: str |
         attrs.update(schedule=schedule, schedule_params=dict(schedule_params or {}), teacher=teacher)
     elif schedule_params or teacher is not None:
         raise ValueError("make_trainer: schedule_params / teacher need a schedule (e.g. schedule='fixed')")
+    if terms:
+        terms = {str(k): dict(v or {}) for k, v in terms.items()}
+        for term, params in terms.items():
+            registry.get(term, kind="terms").make_params(**params)
+        mixins[:0] = [term_mixin(term) for term in terms]
+        attrs["terms"] = terms
     title = "".join(part.capitalize() for part in credit.split("_"))
     return type(name or f"{title}{base.__name__}", (*mixins, base), attrs)
