@@ -13,8 +13,9 @@ from .estimator import Estimator, param
 from .hashing import stable_hash
 from .hookspecs import hookimpl
 from .registry import available, describe, get, register_plugin
+from .scaling import ADV_SCALES, DEFAULT_ADV_SCALE, adv_scale_factor, scale_advantages
 from .steptable import StepTable
 
 __all__ = ["StepTable", "Estimator", "param", "stable_hash", "hookimpl", "get", "available", "describe",
-           "register_plugin"]
+           "register_plugin", "scale_advantages", "adv_scale_factor", "ADV_SCALES", "DEFAULT_ADV_SCALE"]
 __version__ = "0.1.0"
