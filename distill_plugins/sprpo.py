@@ -38,7 +38,7 @@ perturbed forward (the RL loss's forward only; rollouts and evaluation stay clea
   h~_l = h_l + sigma_k * rms(h_l) * eps,   eps ~ N(0, I),   rms(h) = sqrt(mean_d h_d^2) per token (no gradient)
 sensitivity on the step's first micro-batch (completion tokens, no gradient; k3 estimate of KL(pi || pi~)):
   D_k = mean_t [ r_t - 1 - log r_t ],   r_t = pi~(a_t | s_t) / pi(a_t | s_t)
-trust-region guard:   D_k > kl_max  ->  that micro-batch's loss uses the clean forward
+trust-region guard:   D_k > kl_max  ->  step k trains on the clean forward
 controller (once per optimizer step, adaptive):
   sigma_{k+1} = clip( sigma_k * clip((target_kl / D_k)^rate, 1/max_change, max_change), sigma_min, sigma_max )
   (D_k = 0: factor max_change)
@@ -55,7 +55,7 @@ class SPrPOParams:
     adaptive: bool = param(True, "adapt sigma once per optimizer step from the measured sensitivity (false: fixed)")
     target_kl: float = param(0.01, "trust-region target of the sensitivity D = KL(pi || pi~) the controller steers to",
                              low=0.0, low_open=True)
-    kl_max: float = param(0.05, "hard bound: a micro-batch whose measured D exceeds it trains on the clean forward",
+    kl_max: float = param(0.05, "hard bound: a step whose measured D exceeds it trains on the clean forward",
                           low=0.0, low_open=True)
     rate: float = param(0.5, "controller exponent: sigma *= (target_kl / D)^rate", low=0.0, high=1.0, low_open=True)
     max_change: float = param(2.0, "largest factor sigma may change by in one step", low=1.0, low_open=True,
@@ -90,7 +90,7 @@ class SensitivityController:
         self.sigma = float(params.sigma)
         self.step = 0
         self.last_sensitivity = float("nan")
-        self.rejected = 0  #: micro-batches whose D exceeded kl_max (trained clean)
+        self.rejected = 0  #: steps whose D exceeded kl_max (trained clean)
 
     def factor(self, sensitivity: float) -> float:
         """The multiplicative change of sigma for a measured sensitivity ``D`` (>= 0)."""
@@ -112,7 +112,7 @@ class SensitivityController:
         return self.sigma
 
     def over_bound(self, sensitivity: float) -> bool:
-        """Whether ``D`` breaks the hard trust-region bound (the micro-batch then trains on the clean forward)."""
+        """Whether ``D`` breaks the hard trust-region bound (the step then trains on the clean forward)."""
         return sensitivity > self.params.kl_max
 
     def state_dict(self) -> dict[str, Any]:
