@@ -10,8 +10,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["AgentEnv", "StepResult", "EnvSpec", "DrawnState", "missing_package", "episode_seed", "check_snapshot",
-           "reset_seed", "begin_step", "invalid_step"]
+__all__ = ["AgentEnv", "StepResult", "EnvSpec", "DrawnState", "GoalRanking", "GOAL_GAMMA", "missing_package",
+           "episode_seed", "check_snapshot", "reset_seed", "begin_step", "invalid_step"]
 
 
 @dataclass
@@ -43,7 +43,9 @@ class AgentEnv(Protocol):
     an exception), ``state_key() -> str`` (the canonical game state, without history or formatting: the same game
     state in two rollouts gives the same key; it becomes the StepTable's ``state`` anchor) and
     ``action_key(action_text) -> str | None`` (the canonical command, None when invalid).
-    Optional: ``legal_actions() -> list[str]``, ``snapshot()`` / ``restore(snap)`` (search-based estimators).
+    Optional: ``legal_actions() -> list[str]``, ``snapshot()`` / ``restore(snap)`` (search-based estimators),
+    ``goal_rankings(k, rng) -> list[GoalRanking]`` (up to ``k`` alternative goals at the current state, each with the
+    legal actions' values under it from the env's own solver; EVOKE's term, :class:`GoalRanking`).
     """
 
     task: str
@@ -55,6 +57,41 @@ class AgentEnv(Protocol):
     def state_key(self) -> str: ...
 
     def action_key(self, action_text: str | None) -> str | None: ...
+
+
+#: discount of :attr:`GoalRanking.values`: an action whose successor state is d steps from the goal is worth GOAL_GAMMA**d
+GOAL_GAMMA = 0.9
+
+
+@dataclass(frozen=True)
+class GoalRanking:
+    """The legal actions at the current state ranked under one alternative goal (``AgentEnv.goal_rankings``).
+
+    Attributes:
+        goal: the alternative goal in words (``"Go to the attic."``).
+        edits: ``(text, replacement)`` pairs that turn the current prompt into the prompt under this goal: the task
+            sentence and/or the current observation (where the observation shows the goal); the history is left as
+            it is. :meth:`rewrite` applies them.
+        actions: the legal actions at the state, in ``legal_actions()`` order.
+        values: ``Q*(s, a)`` under the alternative goal from the env's solver, one per action:
+            ``GOAL_GAMMA ** d(s')``, d the fewest steps from the action's successor s' to the goal (0 when
+            unreachable or after a step that ends the episode); higher is better, equal values tie.
+    """
+
+    goal: str
+    edits: tuple[tuple[str, str], ...]
+    actions: tuple[str, ...]
+    values: tuple[float, ...]
+
+    def __post_init__(self):
+        if len(self.actions) != len(self.values):
+            raise ValueError(f"GoalRanking: {len(self.actions)} actions but {len(self.values)} values")
+
+    def rewrite(self, prompt: str) -> str:
+        """``prompt`` under this goal (:func:`env_adapters.prompting.rewrite_goal`)."""
+        from .prompting import rewrite_goal
+
+        return rewrite_goal(prompt, self.edits)
 
 
 class DrawnState:

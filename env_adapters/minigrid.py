@@ -28,6 +28,11 @@ west, north; ``A`` with absolute moves), followed by the agent's position, headi
 moves: ``You are at row 2, column 1. The goal G is at row 3, column 4.``). Rewards: 10 on the step that reaches
 the goal, 0 otherwise, plus the invalid-action penalty and, if ``shaping`` > 0, ``shaping * (d_before - d_after)``
 with d the Manhattan distance to the goal (off by default).
+
+``goal_rankings(k, rng)`` (task ``"goal"``): alternative goal cells of the same room (any other free cell the agent
+can reach), each with the legal actions' values ``GOAL_GAMMA ** d`` under it, d the BFS walk length from the
+state after the action to that cell (over (cell, heading) states with relative moves); the prompt's observation is
+redrawn with ``G`` (or the goal's coordinates) at the alternative cell.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ import importlib
 from collections import deque
 from typing import Any
 
-from .base import DrawnState, StepResult, begin_step, check_snapshot, episode_seed, missing_package
+from .base import (GOAL_GAMMA, DrawnState, GoalRanking, StepResult, begin_step, check_snapshot, episode_seed,
+                   missing_package)
 from .prompting import INVALID_PENALTY
 
 __all__ = ["MiniGridAdapter", "TASKS", "MOVES", "ACTION_NAMES", "VIEWS", "ABSOLUTE"]
@@ -122,6 +128,14 @@ def _distance(grid, start: tuple[int, int], goal: tuple[int, int]) -> int | None
                     seen.add((nx, ny))
                     queue.append(((nx, ny), d + 1))
     return None
+
+
+def _free(grid, x: int, y: int) -> bool:
+    """The agent can enter cell (x, y) (floor, goal, an open-able door; not a wall)."""
+    if not (0 <= x < grid.width and 0 <= y < grid.height):
+        return False
+    cell = grid.get(x, y)
+    return cell is None or cell.can_overlap() or cell.type == "door"
 
 
 class MiniGridAdapter(DrawnState):
@@ -258,6 +272,67 @@ class MiniGridAdapter(DrawnState):
                 best.append(move)
         return best
 
+    def goal_rankings(self, k: int, rng) -> list[GoalRanking]:
+        """Up to ``k`` alternative goal cells (drawn without replacement by ``rng``, a ``random.Random``) with the
+        legal actions' values under each (module docstring); goals under which every action is worth the same are
+        left out. Task ``"goal"`` only (DoorKey's goal needs the key and the door first)."""
+        if self.task_name != "goal":
+            raise ValueError(f"goal_rankings needs task='goal' (got task={self.task_name!r}): DoorKey's alternative "
+                             f"goals would also need the key and the door")
+        if k < 1:
+            raise ValueError(f"goal_rankings(k={k}): ask for at least one alternative goal")
+        if self._done:
+            return []
+        grid, goal = self._env.grid, self._goal_position()
+        here = (int(self._env.agent_pos[0]), int(self._env.agent_pos[1]))
+        heading = int(self._env.agent_dir)
+        cells = [(x, y) for y in range(1, grid.height - 1) for x in range(1, grid.width - 1)
+                 if (x, y) not in (here, goal) and _free(grid, x, y) and _distance(grid, here, (x, y)) is not None]
+        out = []
+        for cell in rng.sample(cells, len(cells)):
+            values = tuple(GOAL_GAMMA ** d for d in self._walks_after(here, heading, cell))
+            if max(values) == min(values):
+                continue
+            out.append(GoalRanking(f"Get to row {cell[1]}, column {cell[0]}.", ((self.render(), self._draw(cell)),),
+                                   tuple(self.legal), values))
+            if len(out) == k:
+                break
+        return out
+
+    def _walks_after(self, here: tuple[int, int], heading: int, goal: tuple[int, int]) -> list[int]:
+        """Each legal action's fewest steps from the state after it to ``goal`` (BFS)."""
+        grid = self._env.grid
+        moves = {"right": (1, 0), "down": (0, 1), "left": (-1, 0), "up": (0, -1)}
+
+        def ahead(cell, d):
+            dx, dy = moves[("right", "down", "left", "up")[d]]
+            nxt = (cell[0] + dx, cell[1] + dy)
+            return nxt if _free(grid, *nxt) else cell
+
+        if self.absolute:
+            return [_distance(grid, ahead(here, _HEADING_OF[a]), goal) for a in self.legal]
+        # relative moves: BFS over (cell, heading), backwards from the goal cell (any heading)
+        def successors(state):
+            cell, d = state
+            return ((cell, (d - 1) % 4), (cell, (d + 1) % 4), (ahead(cell, d), d))
+
+        after = {"turn left": (here, (heading - 1) % 4), "turn right": (here, (heading + 1) % 4),
+                 "move forward": (ahead(here, heading), heading)}
+        dist = {}
+        for a, start in after.items():
+            seen, queue, found = {start}, deque([(start, 0)]), None
+            while queue:
+                state, n = queue.popleft()
+                if state[0] == goal:
+                    found = n
+                    break
+                for nxt in successors(state):
+                    if nxt not in seen:
+                        seen.add(nxt)
+                        queue.append((nxt, n + 1))
+            dist[a] = found
+        return [dist[a] for a in self.legal]
+
     def snapshot(self) -> dict[str, Any]:
         return {"env": copy.deepcopy(self._env), "done": self._done, "solved": self._solved}
 
@@ -268,15 +343,17 @@ class MiniGridAdapter(DrawnState):
         self._state_changed()
 
     # ---- rendering ------------------------------------------------------------------------------------------
-    def _draw(self) -> str:
-        """The full grid, one character per cell, then the agent's position, heading and load."""
+    def _draw(self, goal: tuple[int, int] | None = None) -> str:
+        """The full grid, one character per cell, then the agent's position, heading and load; ``goal``: drawn with
+        the goal at that cell instead (an alternative goal, :meth:`goal_rankings`)."""
         env = self._env
         ax, ay = (int(v) for v in env.agent_pos)
+        true_goal = self._goal_position() if goal is not None else None
         if self.view == "coords":
-            gx, gy = self._goal_position()
+            gx, gy = goal or self._goal_position()
             return f"You are at row {ay}, column {ax}. The goal is at row {gy}, column {gx}."
         if self.view == "offset":
-            gx, gy = self._goal_position()
+            gx, gy = goal or self._goal_position()
             return f"Goal offset: row {gy - ay:+d}, column {gx - ax:+d}."
         rows = []
         for y in range(env.grid.height):
@@ -286,7 +363,9 @@ class MiniGridAdapter(DrawnState):
                     row.append("A" if self.absolute else _AGENT[env.agent_dir])
                     continue
                 cell = env.grid.get(x, y)
-                if cell is None:
+                if goal is not None and (x, y) in (goal, true_goal):
+                    row.append("G" if (x, y) == goal else ".")
+                elif cell is None:
                     row.append(".")
                 elif cell.type == "door":
                     row.append("/" if cell.is_open else "L" if cell.is_locked else "D")
@@ -294,7 +373,7 @@ class MiniGridAdapter(DrawnState):
                     row.append(_CELL.get(cell.type, "?"))
             rows.append("".join(row))
         if self.absolute:
-            gx, gy = self._goal_position()
+            gx, gy = goal or self._goal_position()
             rows.append(f"You are at row {ay}, column {ax}. The goal G is at row {gy}, column {gx}.")
             return "\n".join(rows)
         carry = f"a {env.carrying.color} {env.carrying.type}" if env.carrying is not None else "nothing"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-__all__ = ["INVALID_PENALTY", "parse_action", "format_action", "build_prompt", "HistoryItem"]
+__all__ = ["INVALID_PENALTY", "parse_action", "format_action", "build_prompt", "rewrite_goal", "HistoryItem"]
 
 #: Reward of a step whose response has no parseable or admissible action (verl-agent: invalid-action penalty 0.1).
 INVALID_PENALTY = -0.1
@@ -100,3 +100,17 @@ def build_prompt(task: str, history: Sequence[HistoryItem], observation: str,
                  "finished your reasoning, you should choose an admissible action for current step and present it "
                  "within <action> </action> tags.")
     return "\n".join(lines)
+
+
+def rewrite_goal(prompt: str, edits: Sequence[tuple[str, str]]) -> str:
+    """``prompt`` with each ``(text, replacement)`` of ``edits`` applied at the **last** occurrence of ``text`` (the
+    task sentence occurs once; the current observation comes after the history's, which stay as they are): the same
+    prompt under another goal (:class:`env_adapters.base.GoalRanking`). A ``text`` the prompt lacks is a
+    ``ValueError``: the prompt does not show the goal where the env says it does."""
+    for old, new in edits:
+        at = prompt.rfind(old) if old else -1
+        if at < 0:
+            raise ValueError(f"rewrite_goal: the prompt does not contain {old[:80]!r}; build it from the env's task "
+                             f"and current observation (compact or verl-agent prompt)")
+        prompt = prompt[:at] + new + prompt[at + len(old):]
+    return prompt

@@ -50,7 +50,7 @@ from functools import lru_cache
 import numpy as np
 
 __all__ = ["Task", "Values", "Rollouts", "FAMILIES", "make_task", "uniform_logits", "policy", "solve", "occupancy",
-           "exact_gradient", "success_probability", "rollout", "advantage_of"]
+           "exact_gradient", "success_probability", "rollout", "advantage_of", "AltGoal", "alt_goals", "goal_values"]
 
 FAMILIES = ("rooms", "keydoor", "lock", "allfail")
 
@@ -73,6 +73,7 @@ class Task:
         actions: [S] tuple of each state's action labels, in column order.
         progress: [S] float64 in [0, 1]: 1 - d(s) / d(start), d the fewest actions to the goal (1 at the goal, 0 at
             the trap or where the goal is unreachable); what MVPO's milestone and signature parsers read.
+        goals: the layout's alternative goals as ``(sentence, target states)`` (reach any target; :func:`alt_goals`).
     """
 
     family: str
@@ -86,6 +87,7 @@ class Task:
     observations: tuple[str, ...]
     actions: tuple[tuple[str, ...], ...]
     progress: np.ndarray
+    goals: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     @property
     def n_states(self) -> int:
@@ -172,7 +174,8 @@ class _Builder:
     def move(self, s: int, label: str, to: int) -> None:
         self.moves[s].append((label, to))
 
-    def build(self, family: str, seed: int, horizon: int, start: int, goal: int, trap: int) -> Task:
+    def build(self, family: str, seed: int, horizon: int, start: int, goal: int, trap: int,
+              goals: tuple[tuple[str, tuple[int, ...]], ...] = ()) -> Task:
         n = len(self.obs)
         width = max(len(m) for m in self.moves)
         nxt = np.tile(np.arange(n)[:, None], (1, width))
@@ -188,7 +191,7 @@ class _Builder:
             labels.append(tuple(label for label, _ in moves))
         progress = _progress(nxt, n_act, start, goal, trap)
         return Task(family, seed, horizon, nxt.astype(np.int64), n_act, start, goal, trap, tuple(self.obs),
-                    tuple(labels), progress)
+                    tuple(labels), progress, goals)
 
 
 def _progress(nxt: np.ndarray, n_act: np.ndarray, start: int, goal: int, trap: int) -> np.ndarray:
@@ -270,7 +273,8 @@ def _rooms(seed: int) -> Task:
             b.move(rooms[i], "open the chest", goal)
         if i in traps:
             b.move(rooms[i], "open the trapdoor", trap)
-    return b.build("rooms", seed, 30, rooms[0], goal, trap)
+    goals = tuple((f"Go to the {names[i]}. Avoid trapdoors.", (rooms[i],)) for i in range(n))
+    return b.build("rooms", seed, 30, rooms[0], goal, trap, goals)
 
 
 def _keydoor(seed: int) -> Task:
@@ -303,7 +307,9 @@ def _keydoor(seed: int) -> Task:
             b.move(s, "take the key", room[i, 1] if i == key_room else s)
             b.move(s, "unlock the door", goal if (i == door_room and k) else s)
             b.move(s, "look around", s)
-    return b.build("keydoor", seed, 36, room[0, 0], goal, trap)
+    goals = tuple((f"Go to the {names[i]}.", (room[i, 0], room[i, 1])) for i in range(n)) + \
+        tuple((f"Take the key, then go to the {names[i]}.", (room[i, 1],)) for i in range(n))
+    return b.build("keydoor", seed, 36, room[0, 0], goal, trap, goals)
 
 
 def _lock(seed: int) -> Task:
@@ -342,7 +348,9 @@ def _allfail(seed: int) -> Task:
             moves.append(("look down", cells[i]))
         for k in rng.permutation(len(moves)):  # the column of the right move is seeded
             b.move(cells[i], *moves[int(k)])
-    return b.build("allfail", seed, 40, cells[0], goal, trap)
+    goals = tuple((f"Stand on stone {i} of the bridge without falling into the pit.", (cells[i],))
+                  for i in range(length))
+    return b.build("allfail", seed, 40, cells[0], goal, trap, goals)
 
 
 _MAKERS = {"rooms": _rooms, "keydoor": _keydoor, "lock": _lock, "allfail": _allfail}
@@ -422,6 +430,77 @@ def exact_gradient(task: Task, logits: np.ndarray) -> np.ndarray:
 def advantage_of(values: Values, t: np.ndarray, s: np.ndarray, a: np.ndarray) -> np.ndarray:
     """A*_t(s, a) of sampled rows (arrays of equal shape)."""
     return values.Q[t, s, a] - values.V[t, s]
+
+
+# ---- alternative goals at a fixed state (EVOKE) -------------------------------------------------------------------
+@dataclass(frozen=True)
+class AltGoal:
+    """A goal other than the task's in the same layout: reach any of ``targets`` (reward on entering one), moving
+    by ``next_state`` ([S, A]; None: the task's own transitions). ``text`` says it in the task's words."""
+
+    text: str
+    targets: tuple[int, ...]
+    next_state: np.ndarray | None = None
+
+
+def alt_goals(task: Task, s: int) -> list[AltGoal]:
+    """The alternative goals of ``task`` at state ``s``, except those ``s`` already satisfies.
+
+    ``rooms``: go to another room; ``keydoor``: go to another room, or take the key and then go to a room;
+    ``allfail``: stand on another stone; ``lock``: open it with another code that agrees with the true one on the
+    digits already entered (so the state means the same under it), i.e. other buttons from digit ``s`` on.
+    """
+    if task.family == "lock":
+        return _lock_codes(task, s)
+    return [AltGoal(text, targets) for text, targets in task.goals if s not in targets]
+
+
+def _lock_codes(task: Task, s: int) -> list[AltGoal]:
+    if not 0 <= s < task.goal:  # the lock's cells are states 0 .. digits-1, then the goal
+        return []
+    digits = task.goal
+    buttons = [a for a in task.actions[0] if a.startswith("press ")]
+    code = [next(k for k in range(len(buttons)) if task.next_state[j, k] == (j + 1 if j + 1 < digits else task.goal))
+            for j in range(digits)]
+    out = []
+    for rest in np.ndindex(*([len(buttons)] * (digits - s))):
+        alt = code[:s] + list(rest)
+        if alt == code:
+            continue
+        nxt = task.next_state.copy()
+        for j in range(digits):
+            nxt[j, :len(buttons)] = 0  # a wrong button resets to the first cell (state 0)
+            nxt[j, alt[j]] = j + 1 if j + 1 < digits else task.goal
+        words = ", ".join(buttons[k][len("press "):] for k in alt)
+        out.append(AltGoal(f"Open the combination lock with the code {words}. A wrong button resets every digit "
+                           f"entered so far.", (task.goal,), nxt))
+    return out
+
+
+def goal_values(task: Task, goal: AltGoal, gamma: float = 0.9) -> np.ndarray:
+    """[S, A] optimal values under ``goal``: ``Q*(s, a) = gamma ** d(s')`` with s' the successor and d the fewest
+    actions from s' to a target (0 at a target); 0 where no target is reachable from s' (the task's goal and trap are
+    absorbing dead ends unless they are targets) and on padding columns."""
+    nxt = task.next_state if goal.next_state is None else goal.next_state
+    targets = set(goal.targets)
+    dead = {task.goal, task.trap} - targets
+    back: list[list[int]] = [[] for _ in range(task.n_states)]
+    for s in range(task.n_states):
+        if s in dead or s in targets:
+            continue
+        for a in range(int(task.n_actions[s])):
+            back[int(nxt[s, a])].append(s)
+    dist = np.full(task.n_states, -1, np.int64)
+    queue = deque(sorted(targets))
+    dist[list(queue)] = 0
+    while queue:
+        x = queue.popleft()
+        for p in back[x]:
+            if dist[p] < 0:
+                dist[p] = dist[x] + 1
+                queue.append(p)
+    d = dist[nxt]
+    return np.where(task.legal & (d >= 0), float(gamma) ** np.maximum(d, 0), 0.0)
 
 
 # ---- vectorised rollouts -----------------------------------------------------------------------------------------

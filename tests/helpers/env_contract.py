@@ -84,3 +84,28 @@ def check_credit_contract(env, seed, max_steps=6, rollouts=4, bad_rate=0.2, rng_
     assert bool(repeated.any())
     assert float(step_credit[repeated].abs().max()) > 0
     return rec
+
+
+def check_goal_rankings(env, seed, k=3, steps=3, rng_seed=0):
+    """``env.goal_rankings`` (optional capability, EVOKE): at the start and after a few random moves, at most ``k``
+    rankings over exactly the legal actions with values in [0, 1] and a strict order, drawn reproducibly from the
+    rng; asking does not move the env; each rewrite changes the prompt (task text + observation)."""
+    from env_adapters.prompting import build_prompt
+
+    rng = random.Random(rng_seed)
+    env.reset(seed)
+    for _ in range(steps + 1):
+        key, legal, obs = env.state_key(), env.legal_actions(), env.render()
+        rankings = env.goal_rankings(k, random.Random(rng_seed))
+        again = env.goal_rankings(k, random.Random(rng_seed))
+        assert [r.goal for r in rankings] == [r.goal for r in again]
+        assert 1 <= len(rankings) <= k and len({r.goal for r in rankings}) == len(rankings)
+        assert env.state_key() == key and env.legal_actions() == legal
+        prompt = build_prompt(env.task, [], obs, legal)
+        for r in rankings:
+            assert list(r.actions) == legal and len(r.values) == len(legal)
+            assert all(0.0 <= v <= 1.0 for v in r.values) and max(r.values) > min(r.values)
+            assert r.rewrite(prompt) != prompt
+        if env.step(rng.choice(legal)).done:
+            break
+    return rankings

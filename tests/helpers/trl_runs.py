@@ -80,6 +80,27 @@ def train_turn_rollout_step(credit: str, params: dict, output_dir: str, **rollou
     return seen
 
 
+def turn_rollout_trainer(trainer_cls, output_dir: str, env: str = "minigrid", env_options: dict | None = None,
+                         seeds=range(4), rollout_options: dict | None = None, **config):
+    """An (untrained) ``trainer_cls`` on the tiny model with a ``TurnRollout`` of ``env`` (default: the 5x5 MiniGrid
+    room of :func:`train_turn_rollout_step`), one group of 12 rows per step; ``config`` overrides ``GRPOConfig``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig
+
+    from agentcredit.models import resolve_model
+    from agentcredit.trl.rollouts import TurnRollout
+
+    path = resolve_model("tiny-qwen2")
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+    options = {"size": 5, "moves": "absolute", "view": "coords"} if env_options is None else env_options
+    rollout = TurnRollout(env, options, **{"max_new_tokens": 4, **(rollout_options or {})})
+    config = {"max_steps": 1, "num_generations": 12, "per_device_train_batch_size": 12, "max_completion_length": 4,
+              "report_to": "none", "logging_steps": 1, "use_cpu": True, "bf16": False, "save_strategy": "no",
+              "temperature": 1.0, "seed": 0, **config}
+    return trainer_cls(model=model, processing_class=tok, reward_funcs=[rollout.reward_func], rollout_func=rollout,
+                       train_dataset=TurnRollout.dataset(seeds), args=GRPOConfig(output_dir=output_dir, **config))
+
+
 def losses(trainer) -> list[tuple[float, float]]:
     return [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
 
