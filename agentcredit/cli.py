@@ -1,5 +1,5 @@
-"""``agentcredit`` command line: ``list``, ``describe NAME``, ``train RECIPE.yaml [key=value ...]``, ``sft``, ``ross``
-and ``verl``. Every error a subcommand reports names that subcommand (``agentcredit verl: error: ...``)."""
+"""``agentcredit`` command line: ``list``, ``describe NAME``, ``train RECIPE.yaml [key=value ...]``, ``sft``, ``ross``,
+``compare`` and ``verl``. Every error a subcommand reports names that subcommand (``agentcredit verl: error: ...``)."""
 
 from __future__ import annotations
 
@@ -141,6 +141,39 @@ def _cmd_ross(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from . import compare
+
+    try:
+        p = compare.plan(args.recipe, args.credit, args.seeds, steps=args.steps, jobs=args.jobs, out=args.out,
+                         sets=args.set or [], overrides=list(args.overrides), init=args.init, threshold=args.threshold)
+    except compare.CompareError as e:
+        return _error("compare", str(e))
+    failed = []
+    if args.report_only and not p.dir.is_dir():
+        print(f"agentcredit compare: no runs of this comparison yet ({p.dir}); run it without --report-only",
+              file=sys.stderr)
+        return 1
+    if not args.report_only:
+        print(f"agentcredit compare: {', '.join(p.methods)} x {len(p.seeds)} seeds x {p.steps} steps, {p.jobs} at "
+              f"once; folder {p.dir}", flush=True)
+        try:
+            failed = compare.execute(p)["failed"]
+        except compare.Interrupted as e:
+            print(f"agentcredit compare: {e}", file=sys.stderr)
+            return 130
+    result = compare.write_report(p)
+    print(compare.format_table(result))
+    print(f"report: {result['txt']}, {result['json']}" + (f", {result['png']}" if result["png"] else ""))
+    missing = [f"{r['method']} seeds {r['missing_seeds']}" for r in result["table"] if r["missing_seeds"]]
+    for name, why in failed:
+        print(f"agentcredit compare: {name} failed: {why}", file=sys.stderr)
+    if missing:
+        print(f"agentcredit compare: no result yet for {'; '.join(missing)}"
+              + ("" if not args.report_only else "; run without --report-only to make them"), file=sys.stderr)
+    return 1 if failed or missing else 0
+
+
 def _cmd_verl(args: argparse.Namespace) -> int:
     from .recipe import is_verl_recipe
 
@@ -228,6 +261,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations")
     p.add_argument("--no-before", action="store_true", help="skip only the evaluation before fine-tuning")
     p.set_defaults(func=_cmd_ross)
+    p = sub.add_parser("compare", help="compare credit estimators on a TRL recipe: the same seeds and budget for "
+                       "each, held-out success with 95 % intervals, paired differences, learning curves",
+                       description="Run `agentcredit train RECIPE` for every estimator of --credit and every seed "
+                       "0..N-1 (each in its own subprocess and folder), then report held-out success per method "
+                       "(95 % t-interval over seeds, pooled Wilson), paired differences to the first method and steps "
+                       "to a success threshold. Rerunning the same command skips finished runs.")
+    p.add_argument("recipe", help="TRL recipe YAML file (with an agentcredit.eval block)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides for every run")
+    p.add_argument("--credit", required=True, help="comma-separated estimators; the first is the baseline of the "
+                   "paired differences")
+    p.add_argument("--seeds", type=int, required=True, help="runs per method (seeds 0..N-1, the same for each)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the recipe's max_steps)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once (each gets max(1, cores // jobs) threads)")
+    p.add_argument("--out", default="runs/compare", help="parent folder; the comparison's folder is "
+                   "<recipe name>-<hash of recipe, overrides and steps> inside it")
+    p.add_argument("--set", action="append", metavar="METHOD.PARAM=VALUE", help="an estimator parameter for one "
+                   "method (repeatable)")
+    p.add_argument("--init", default=None, metavar="CHECKPOINT", help="start every run from this model folder "
+                   "(model_name_or_path, no warm_start)")
+    p.add_argument("--threshold", type=float, default=0.5, help="training success that counts as reached for steps "
+                   "to threshold (default 0.5)")
+    p.add_argument("--report-only", action="store_true", help="start no run: report the finished ones")
+    p.set_defaults(func=_cmd_compare)
     p = sub.add_parser("verl", help="a verl recipe: print its main_ppo command, or --cpu-smoke: run 2 real steps on "
                        "the CPU and print the agentcredit step metrics")
     p.add_argument("recipe", help="verl recipe YAML (recipes/verl/*.yaml)")
@@ -248,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
-        if getattr(args, "command", None) not in ("train", "sft", "ross", "verl"):
+        if getattr(args, "command", None) not in ("train", "sft", "ross", "verl", "compare"):
             args.parser.error(f"unrecognized arguments: {' '.join(extra)}")  # names the subcommand
         args.overrides = list(args.overrides) + extra  # key=value after an option; _cmd_train checks them
     return args.func(args)

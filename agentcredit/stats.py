@@ -1,7 +1,8 @@
-"""The statistics of a held-out evaluation: the Wilson interval of a success rate and the paired before/after
-difference of two evaluations of the same seeds. Pure Python (no torch); the TRL evaluation
-(:func:`agentcredit.trl.episodes.evaluate`), ``agentcredit train``'s summary and the benchmarks use these, and only
-these, implementations.
+"""The statistics of held-out evaluations and of comparisons over seeds: the Wilson interval of a success rate, the
+paired before/after difference of two evaluations of the same seeds, the Student-t interval of a mean over seeds,
+differences paired by seed, and steps to a success threshold with censoring. Pure Python (scipy for the t quantile,
+no torch); the TRL evaluation (:func:`agentcredit.trl.episodes.evaluate`), ``agentcredit train``'s summary,
+``agentcredit compare`` and the benchmarks use these, and only these, implementations.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Z95", "wilson_interval", "PairedDifference", "paired_difference"]
+__all__ = ["Z95", "wilson_interval", "PairedDifference", "paired_difference", "t_interval", "paired_by_seed",
+           "steps_to_threshold", "censored_steps"]
 
 #: the two-sided 95 % standard-normal quantile
 Z95 = 1.959963984540054
@@ -81,3 +83,51 @@ def paired_difference(before: Sequence[bool], after: Sequence[bool], z: float = 
     p_value = min(1.0, 2 * sum(math.comb(m, i) for i in range(k + 1)) / 2 ** m) if m else 1.0
     return PairedDifference(n=n, before_only=b, after_only=c, difference=diff,
                             ci=(max(-1.0, lower), min(1.0, upper)), mcnemar_p=p_value)
+
+
+def t_interval(xs: Sequence[float], level: float = 0.95) -> tuple[float, float] | None:
+    """Student-t interval of the mean of ``xs``: ``mean -+ t_{(1+level)/2, n-1} * sd / sqrt(n)`` (``sd`` with
+    ``n - 1``); ``None`` for fewer than two values (no spread to estimate)."""
+    xs = [float(x) for x in xs]
+    n = len(xs)
+    if n < 2:
+        return None
+    from scipy import stats
+
+    m = sum(xs) / n
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
+    h = float(stats.t.ppf(0.5 + level / 2, n - 1)) * sd / math.sqrt(n)
+    return (m - h, m + h)
+
+
+def paired_by_seed(values: dict, baseline: dict) -> dict:
+    """``values[s] - baseline[s]`` on the seeds both have (same seed: same training seeds and sampling, so the
+    pairs share their seed's luck): ``seeds``, ``differences``, ``mean`` (``None`` without a common seed) and
+    ``t95`` (:func:`t_interval` of the differences)."""
+    seeds = sorted(set(values) & set(baseline))
+    diffs = [float(values[s]) - float(baseline[s]) for s in seeds]
+    return {"seeds": seeds, "differences": diffs, "mean": sum(diffs) / len(diffs) if diffs else None,
+            "t95": t_interval(diffs)}
+
+
+def steps_to_threshold(curve: Sequence[tuple[int, float]], threshold: float) -> int | None:
+    """The first step whose value is ``>= threshold`` in ``curve`` (``(step, value)`` pairs, any order); ``None``
+    when no step reaches it (the run is censored at its budget)."""
+    hits = [int(step) for step, value in curve if value is not None and float(value) >= threshold]
+    return min(hits) if hits else None
+
+
+def censored_steps(values: Sequence[int | None], budget: int) -> dict:
+    """Steps to a threshold over runs of ``budget`` steps, where ``None`` is a run that never reached it.
+
+    ``reached`` / ``runs`` counts them; ``mean_reached`` and ``t95_reached`` are over the runs that reached it only
+    (optimistic when some did not); ``restricted_mean`` and ``t95_restricted`` count a run that never reached it at
+    the budget, ``min(T, budget)`` for every run (the restricted mean: a lower bound on the mean when any run is
+    censored, exact when none is)."""
+    if budget < 1:
+        raise ValueError(f"censored_steps: budget must be >= 1 step, got {budget}")
+    hit = [int(v) for v in values if v is not None]
+    capped = [min(int(v), budget) if v is not None else budget for v in values]
+    return {"runs": len(capped), "reached": len(hit), "budget": int(budget),
+            "mean_reached": sum(hit) / len(hit) if hit else None, "t95_reached": t_interval(hit),
+            "restricted_mean": sum(capped) / len(capped) if capped else None, "t95_restricted": t_interval(capped)}
