@@ -1,5 +1,6 @@
 """``agentcredit`` command line: ``list``, ``describe NAME``, ``train RECIPE.yaml [key=value ...]``, ``sft``, ``ross``,
-``compare`` and ``verl``. Every error a subcommand reports names that subcommand (``agentcredit verl: error: ...``)."""
+``compare``, ``robustness`` and ``verl``. Every error a subcommand reports names that subcommand
+(``agentcredit verl: error: ...``)."""
 
 from __future__ import annotations
 
@@ -174,6 +175,30 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 1 if failed or missing else 0
 
 
+def _cmd_robustness(args: argparse.Namespace) -> int:
+    from .recipe import RecipeError, load_recipe
+
+    bad = [o for o in args.overrides if o.startswith("-") or ("=" not in o and not o.startswith("~"))]
+    if bad:
+        return _error("robustness", f"unrecognised argument(s) {bad}; overrides are key=value")
+    try:
+        from . import robustness
+
+        grid = robustness.parse_grid(args.types, args.scales)
+        if args.seeds < 1:
+            raise RecipeError(f"--seeds must be a positive integer (noise draws per cell), got {args.seeds}")
+        robustness.resolve_policy(args.checkpoint)
+        recipe = load_recipe(args.recipe, list(args.overrides))
+        result = robustness.run(recipe, args.checkpoint, grid, draws=args.seeds, out=args.out)
+    except (RecipeError, ImportError, FileNotFoundError) as e:
+        return _error("robustness", str(e))
+    except KeyboardInterrupt:
+        return _interrupted("robustness")
+    print(robustness.format_table(result))
+    print(f"json: {result['json']}")
+    return 0
+
+
 def _cmd_verl(args: argparse.Namespace) -> int:
     from .recipe import is_verl_recipe
 
@@ -284,6 +309,24 @@ def build_parser() -> argparse.ArgumentParser:
                    "to threshold (default 0.5)")
     p.add_argument("--report-only", action="store_true", help="start no run: report the finished ones")
     p.set_defaults(func=_cmd_compare)
+    p = sub.add_parser("robustness", help="held-out success of a saved policy under hidden-state noise, pruning and "
+                       "quantisation (agentcredit.robustness)",
+                       description="Evaluate a saved policy with the recipe's eval block, clean and under a grid of "
+                       "perturbation types and scales; success with 95 %% Wilson intervals per cell, a table and a "
+                       "JSON file.")
+    p.add_argument("recipe", help="the TRL recipe the policy was trained with (env, prompt format, eval block)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides of the recipe (e.g. agentcredit.eval.seeds=...)")
+    p.add_argument("--checkpoint", required=True, help="an `agentcredit train` output_dir (its final/, else its "
+                   "latest checkpoint-N) or a model folder")
+    p.add_argument("--types", default="noise,prune,quant", help="comma-separated perturbation types (noise, prune, "
+                   "quant; default all)")
+    p.add_argument("--scales", action="append", default=None, metavar="SCALES", help="0.1,0.2 (every type) or "
+                   "TYPE=0.1,0.2 (repeatable); noise: sigma in (0, 10], prune: fraction in (0, 1), quant: bits in "
+                   "[2, 16] "
+                   "(defaults: noise 0.05,0.1,0.2; prune 0.1,0.3,0.5; quant 8,4)")
+    p.add_argument("--seeds", type=int, default=1, help="noise draws per noise cell (pooled; default 1)")
+    p.add_argument("--out", default=None, help="JSON file (default: CHECKPOINT/robustness.json)")
+    p.set_defaults(func=_cmd_robustness)
     p = sub.add_parser("verl", help="a verl recipe: print its main_ppo command, or --cpu-smoke: run 2 real steps on "
                        "the CPU and print the agentcredit step metrics")
     p.add_argument("recipe", help="verl recipe YAML (recipes/verl/*.yaml)")
@@ -304,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
-        if getattr(args, "command", None) not in ("train", "sft", "ross", "verl", "compare"):
+        if getattr(args, "command", None) not in ("train", "sft", "ross", "verl", "compare", "robustness"):
             args.parser.error(f"unrecognized arguments: {' '.join(extra)}")  # names the subcommand
         args.overrides = list(args.overrides) + extra  # key=value after an option; _cmd_train checks them
     return args.func(args)
