@@ -131,7 +131,7 @@ class SensitivityController:
         self.rejected = int(state.get("rejected", 0))
 
 
-# ---- layers ---------------------------------------------------------------------------------------------------------
+# ---- layers -------------------------------------------------------------------------------------------------------
 def decoder_layers(module: nn.Module) -> nn.ModuleList:
     """The decoder layers of ``module``: its longest ``nn.ModuleList`` whose children are all of one class (a
     transformer's stack of blocks; ``model.model.layers`` for Llama/Qwen, ``transformer.h`` for GPT-2)."""
@@ -160,7 +160,7 @@ def select_layers(module: nn.Module, layers: Sequence[int] = ()) -> list[nn.Modu
     return [stack[i] for i in sorted({i % n for i in layers})]
 
 
-# ---- perturbations ----------------------------------------------------------------------------------------------------
+# ---- perturbations ------------------------------------------------------------------------------------------------
 def rms(h: torch.Tensor) -> torch.Tensor:
     """Per-token RMS over the last (hidden) dimension, detached, shape ``[..., 1]``."""
     return h.detach().float().pow(2).mean(dim=-1, keepdim=True).sqrt().to(h.dtype)

@@ -156,7 +156,8 @@ class SPrPOMixin:
         path = os.path.join(resume_from_checkpoint, STATE_FILE)
         if not os.path.exists(path):
             raise ValueError(f"{resume_from_checkpoint} has no {STATE_FILE}: it was not written by a trainer with the "
-                             f"sprpo term; resuming would restart its noise scale from sigma={self._sprpo.params.sigma}")
+                             f"sprpo term; resuming would restart its noise scale from "
+                             f"sigma={self._sprpo.params.sigma}")
         saved = load_state(path)
         if saved.get("term") != "sprpo":
             raise ValueError(f"{path} holds the state of term {saved.get('term')!r}, not 'sprpo'")
