@@ -1,10 +1,11 @@
 """Build-time pages of the docs site (run by the ``gen-files`` plugin of ``mkdocs.yml``; writes nothing to the tree).
 
-* ``estimators/<name>.md`` and ``schedulers/<name>.md``: one page per registered estimator and scheduler, from the
-  registry record (its formula, i.e. the module's ``FORMULA`` constant; the ``agentcredit describe NAME`` text; the
-  parameter declarations) plus the hand-written notes
-  in ``docs/methods/<kind>/<name>.md``; ``estimators/index.md`` and ``schedulers/index.md`` hold the tables that
-  README.md shows, and ``SUMMARY.md`` in each folder is its navigation (``literate-nav``).
+* ``estimators/<name>.md``, ``schedulers/<name>.md`` and ``terms/<name>.md``: one page per registered estimator,
+  scheduler and auxiliary training term (``tables.KINDS``), from the registry record (its formula, i.e. the module's
+  ``FORMULA`` constant; the ``agentcredit describe NAME`` text; the parameter declarations) plus the hand-written
+  notes in ``docs/methods/<kind>/<name>.md``; ``estimators/index.md`` and ``schedulers/index.md`` hold the tables
+  that README.md shows (``terms/index.md`` the terms' table), and ``SUMMARY.md`` in each folder is its navigation
+  (``literate-nav``).
 * ``img/*.png``: the benchmark plots of ``benchmarks/results/``, so the pages can show them.
 """
 

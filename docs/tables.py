@@ -1,4 +1,4 @@
-"""Markdown generated from the plugin registry: the estimator and scheduler tables and the per-method pages.
+"""Markdown generated from the plugin registry: the estimator, scheduler and term tables and the per-method pages.
 
 One source for the README's tables (between the ``<!-- BEGIN ... -->`` / ``<!-- END ... -->`` markers), the docs
 site's per-method pages (``docs/gen_pages.py``, run by ``mkdocs-gen-files`` at build time) and ``agentcredit
@@ -30,7 +30,7 @@ from credit_plugins.estimator import SOURCES, interval  # noqa: E402
 BASE_FIELDS = ("group", "traj", "t", "reward")
 #: Hand-written notes per method, inserted into the generated page (not pages of their own: ``exclude_docs``).
 NOTES = os.path.join(ROOT, "docs", "methods")
-KINDS = {"estimators": "estimator", "schedulers": "scheduler"}
+KINDS = {"estimators": "estimator", "schedulers": "scheduler", "terms": "term"}
 
 
 def items(kind: str) -> list[tuple[str, Any, str]]:
@@ -86,6 +86,14 @@ def scheduler_table() -> str:
     for name, spec, _ in items("schedulers"):
         rows.append(f"| `{name}` | {_cell(paper_title(spec.paper))} | {arxiv_links(spec.paper)} | "
                     f"{_cell(spec.summary)} |")
+    return "\n".join(rows)
+
+
+def term_table() -> str:
+    rows = ["| name | method (registry `paper`) | arXiv | what it adds | bridges |", "|---|---|---|---|---|"]
+    for name, spec, _ in items("terms"):
+        rows.append(f"| `{name}` | {_cell(paper_title(spec.paper))} | {arxiv_links(spec.paper)} | "
+                    f"{_cell(spec.summary)} | {', '.join(spec.bridges)} |")
     return "\n".join(rows)
 
 
@@ -183,6 +191,9 @@ def method_page(kind: str, name: str) -> str:
             lines += [f"| `{e.name}` | {'yes' if e.required else 'optional'} | `{e.source}`: {_cell(SOURCES[e.source])} |"
                       for e in item.extras]
             lines.append("")
+    elif kind == "terms":
+        lines += [_cell(item.summary), "", f"- **reads:** {_cell(item.reads or '–')}",
+                  f"- **bridges:** {', '.join(item.bridges)}", f"- **provided by:** {provider}", ""]
     else:
         lines += [_cell(item.summary), "", f"- **class:** `{item.cls.__module__}.{item.cls.__qualname__}`",
                   f"- **provided by:** {provider}", ""]
@@ -202,10 +213,11 @@ def method_page(kind: str, name: str) -> str:
 
 def index_page(kind: str) -> str:
     intro = notes(kind, "_index") or ""
-    table = estimator_table() if kind == "estimators" else scheduler_table()
+    table = {"estimators": estimator_table, "schedulers": scheduler_table, "terms": term_table}[kind]()
     # in the docs the names link to their pages
     table = re.sub(r"^\| `([a-z0-9_]+)` \|", lambda m: f"| [`{m.group(1)}`]({m.group(1)}.md) |", table, flags=re.M)
-    title = "Credit estimators" if kind == "estimators" else "Loss schedulers"
+    title = {"estimators": "Credit estimators", "schedulers": "Loss schedulers",
+             "terms": "Auxiliary training terms"}[kind]
     return f"# {title}\n\n{intro}\n\n## Registered {kind}\n\n{table}\n"
 
 

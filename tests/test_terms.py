@@ -93,3 +93,22 @@ def test_recipe_terms_block_is_validated_at_load(term):
     assert r.agentcredit.terms == {"test_term": {"weight": 0.3}}
     with pytest.raises(RecipeError, match="agentcredit.terms.test_term"):
         load_recipe(path, ["agentcredit.terms.test_term.weight=7"], validate_trl=False)
+
+
+def test_every_registered_term_gets_a_docs_page_with_its_describe_text_and_notes():
+    import dataclasses
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("tables", Path(__file__).resolve().parents[1] / "docs" / "tables.py")
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    assert "terms" in tables.KINDS
+    for name, item, _ in tables.items("terms"):
+        page = tables.method_page("terms", name)
+        assert page.startswith(f"# `{name}`") and item.describe() in page and "- **bridges:**" in page
+        for field in dataclasses.fields(item.params):
+            assert f"| `{field.name}` |" in page, (name, field.name)
+        note = tables.notes("terms", name)
+        assert note is None or note in page
+    assert "[`sprpo`](sprpo.md)" in tables.index_page("terms")
