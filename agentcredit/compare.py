@@ -232,7 +232,7 @@ def plan(recipe: str | os.PathLike, credit: str | Sequence[str], seeds: int, ste
         start = "sft"
     else:
         start = "eval" if ev.before else None
-    ws = dataclasses.asdict(base.agentcredit.warm_start) if start == "sft" else None
+    ws = {**dataclasses.asdict(base.agentcredit.warm_start), "eval": ev.before} if start == "sft" else None
     text = path.read_text(encoding="utf-8")
     key = _digest({"recipe": text, "overrides": common, "steps": steps})[:12]
     return Plan(recipe=str(path.resolve()), methods=methods, params=params, seeds=list(range(seeds)), steps=steps,
@@ -276,7 +276,7 @@ def job_argv(p: Plan, job: Job, extra: Sequence[str] = ()) -> list[str]:
         ws = p.warm_start or {}
         return ["agentcredit.cli", "sft", p.recipe, *p.overrides, "--out", str(_start_model(p)), "--steps",
                 str(ws["steps"]), "--batch-size", str(ws["batch_size"]), "--learning-rate", str(ws["learning_rate"]),
-                "--episodes", str(ws["episodes"])]
+                "--episodes", str(ws["episodes"]), *([] if ws.get("eval", True) else ["--no-eval"])]
     if job.kind == "start":
         return ["agentcredit.compare", "evaluate-start", str(job.dir), p.recipe, *p.overrides]
     start = [f"model_name_or_path={_start_model(p)}", "agentcredit.warm_start=null"] if p.start == "sft" else []

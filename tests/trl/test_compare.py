@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("trl")
 
 from agentcredit import cli, compare  # noqa: E402
+from tests.helpers.compare_fakes import Done, FakeTrain, kv as _kv  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "trl" / "minigrid_credit_learning.yaml"
@@ -17,74 +18,6 @@ WARM = ROOT / "recipes" / "trl" / "minigrid_demo.yaml"  # has agentcredit.warm_s
 #: the tiny budget of benchmarks/credit_learning.py --quick: one group of 2 episodes of at most 4 turns, 4 eval seeds
 TINY = ["agentcredit.groups_per_step=1", "agentcredit.episodes_per_group=2", "agentcredit.max_turns=4",
         "per_device_train_batch_size=8", "agentcredit.eval.seeds=[20000,20004]"]
-
-
-class Done:
-    """A finished child process."""
-
-    def __init__(self, rc: int):
-        self.rc = rc
-
-    def poll(self):
-        return self.rc
-
-    def send_signal(self, sig):
-        pass
-
-    def kill(self):
-        pass
-
-    def wait(self):
-        return self.rc
-
-
-def _kv(argv):
-    return dict(a.split("=", 1) for a in argv if "=" in a and not a.startswith("-"))
-
-
-class FakeTrain:
-    """Stands in for the subprocesses: writes what ``agentcredit train`` (or the start's evaluation, or
-    ``agentcredit sft``) writes. ``wins[(method, seed)]`` is the held-out successes of 8 episodes; the training curve
-    is ``curve[(method, seed)]`` (default: 0.1 per step). ``fail`` holds the runs that exit 1; ``interrupt_at`` the
-    call that raises KeyboardInterrupt (as a Ctrl-C while it starts)."""
-
-    def __init__(self, wins=None, curve=None, fail=(), interrupt_at=None):
-        self.wins, self.curve, self.fail, self.interrupt_at = wins or {}, curve or {}, set(fail), interrupt_at
-        self.calls = []
-
-    def __call__(self, argv, env, log):
-        self.calls.append(list(argv))
-        if self.interrupt_at is not None and len(self.calls) == self.interrupt_at:
-            raise KeyboardInterrupt
-        if argv[1] == "evaluate-start":
-            compare.write_json(Path(argv[2]) / compare.RESULT_FILE, {"kind": "eval", "model": "tiny-qwen2", "eval": {
-                "success_rate": 0.25, "success_ci": [0.07, 0.59], "n_episodes": 8}})
-            return Done(0)
-        if argv[1] == "sft":
-            out = Path(argv[argv.index("--out") + 1])
-            out.mkdir(parents=True)
-            (out / "sft_summary.json").write_text(json.dumps({"eval": {"success_rate": 0.5, "n_episodes": 8}}))
-            return Done(0)
-        kv = _kv(argv)
-        out, method, seed, steps = Path(kv["output_dir"]), kv["agentcredit.credit"], int(kv["seed"]), int(
-            kv["max_steps"])
-        if (method, seed) in self.fail:
-            return Done(1)
-        k = self.wins.get((method, seed), 4)
-        with open(out / "eval_episodes.jsonl", "w") as f:
-            for i in range(8):
-                f.write(json.dumps({"phase": "after", "seed": 20000 + i, "success": i < k}) + "\n")
-        curve = self.curve.get((method, seed), [0.1 * t for t in range(1, steps + 1)])
-        with open(out / "metrics.jsonl", "w") as f:
-            for t, v in enumerate(curve, 1):
-                f.write(json.dumps({"step": t, "agentcredit/success": v}) + "\n")
-        (out / "summary.json").write_text(json.dumps({
-            "status": "finished", "steps": steps, "after": {"success_rate": k / 8, "n_episodes": 8, "valid_rate": 1.0},
-            "wall_seconds": 1.0, "train_seconds": 0.5}))
-        return Done(0)
-
-    def runs(self):
-        return [(_kv(a)["agentcredit.credit"], int(_kv(a)["seed"])) for a in self.calls if a[1] == "train"]
 
 
 def _plan(tmp_path, credit="grpo,gigpo", seeds=2, **kw):

@@ -1,4 +1,5 @@
-"""Smoke test of benchmarks/credit_learning.py --quick (SFT warm start, two estimators through TRL, aggregation)."""
+"""benchmarks/credit_learning.py is the warm start plus ``agentcredit compare --init``: its --quick mode on stand-in
+subprocesses (the real runs are tests/trl/test_compare.py's)."""
 
 import importlib.util
 import json
@@ -6,10 +7,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
 pytest.importorskip("trl")
-pytest.importorskip("transformers")
+
+from agentcredit import compare  # noqa: E402
+from tests.helpers.compare_fakes import FakeTrain, kv  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load():
@@ -19,47 +22,36 @@ def _load():
     return mod
 
 
-def test_intervals():
+def test_quick_makes_the_warm_start_once_and_starts_every_run_from_it(monkeypatch, tmp_path):
     cl = _load()
-    lo, hi = cl.wilson_interval(5, 20)
-    assert 0.10 < lo < 0.12 and 0.46 < hi < 0.48   # 0.25 with n=20: [0.112, 0.469]
-    assert cl.t_interval([0.2]) == (0.2, 0.2)
-    lo, hi = cl.t_interval([0.1, 0.2, 0.3])
-    assert lo < 0.2 < hi and abs((lo + hi) / 2 - 0.2) < 1e-9
-
-
-@pytest.mark.slow
-def test_quick_run(tmp_path):
-    cl = _load()
-    out = tmp_path / "cl.json"
-    rc = cl.main(["--quick", "--workdir", str(tmp_path / "work"), "--out", str(out)])
-    assert rc == 0
+    fake = FakeTrain(wins={("grpo", 0): 2, ("gigpo", 0): 3})
+    monkeypatch.setattr(compare, "launch", fake)
+    work, out = tmp_path / "work", tmp_path / "cl.json"
+    assert cl.main(["--quick", "--workdir", str(work), "--out", str(out)]) == 0
+    sft, start, *runs = fake.calls
+    assert sft[1] == "sft" and sft[sft.index("--steps") + 1] == "2" and sft[sft.index("--out") + 1] == str(
+        work / "warm_start")
+    assert start[1] == "evaluate-start" and f"model_name_or_path={work / 'warm_start'}" in start
+    assert fake.runs() == [("grpo", 0), ("gigpo", 0)]
+    for argv in runs:
+        k = kv(argv)
+        assert k["model_name_or_path"] == str(work / "warm_start") and k["max_steps"] == "1"
+        assert k["agentcredit.groups_per_step"] == "1" and k["agentcredit.eval.seeds"] == "[20000,20004]"
     res = json.loads(out.read_text())
     assert [r["method"] for r in res["table"]] == ["grpo", "gigpo"]
-    for r in res["table"]:
-        assert r["seeds"] == 1 and 0.0 <= r["mean_success"] <= 1.0
-        lo, hi = r["pooled_wilson95"]
-        assert 0.0 <= lo <= r["pooled"] <= hi <= 1.0
-    for run in res["runs"]:
-        assert run["n_episodes"] == 4 and run["steps"] == 1 and len(run["curve"]) == 1
-    assert res["warm_start"]["steps"] == 2
+    assert [r["per_seed"] for r in res["table"]] == [{"0": 0.25}, {"0": 0.375}]
+    assert res["table"][1]["diff_vs_first"]["mean"] == pytest.approx(0.125)
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    again = FakeTrain()
+    monkeypatch.setattr(compare, "launch", again)
+    assert cl.main(["--quick", "--workdir", str(work), "--out", str(out)]) == 0
+    assert again.calls == []  # the warm start and every run are reused
 
 
-def test_replot_draws_both_panels_from_a_result_json(tmp_path):
-    """--replot redraws the PNG from a saved result alone (no run): one seed uses the run's Wilson interval."""
-    pytest.importorskip("matplotlib")
+def test_bad_settings_stop_before_the_warm_start(monkeypatch, tmp_path):
     cl = _load()
-    runs = [{"method": m, "seed": s, "success": x, "n_episodes": 8, "successes": round(8 * x), "valid": 1.0,
-             "wall_seconds": 1.0, "curve": [{"success": 0.1 * k} for k in range(3)]}
-            for m, s, x in (("grpo", 0, 0.25), ("grpo", 1, 0.5), ("gigpo", 0, 0.5), ("gigpo", 1, 0.75))]
-    result = {"runs": runs, "table": cl.aggregate(runs, ["grpo", "gigpo"]),
-              "warm_start": {"model": "/x/smollm2-135m-instruct", "eval": {"success_rate": 0.25,
-                                                                            "success_ci": list(cl.wilson_interval(2, 8))}}}
-    path = tmp_path / "r.json"
-    path.write_text(json.dumps(result))
-    assert cl.main(["--replot", str(path)]) == 0
-    assert (tmp_path / "r.png").stat().st_size > 10_000
-    one = dict(result, runs=runs[:1], table=cl.aggregate(runs[:1], ["grpo"]))
-    assert cl.plot(one, tmp_path / "one.png") == str(tmp_path / "one.png")
-    mu, half = cl.t_band(__import__("numpy").array([[0.0, 1.0], [1.0, 1.0]]))
-    assert list(mu) == [0.5, 1.0] and half[1] == 0.0 and 6.3 < half[0] < 6.4  # t_0.975,1 x 0.5 = 6.35
+    fake = FakeTrain()
+    monkeypatch.setattr(compare, "launch", fake)
+    with pytest.raises(SystemExit, match="'nope' is not a registered estimator"):
+        cl.main(["--quick", "--methods", "grpo,nope", "--workdir", str(tmp_path / "w")])
+    assert fake.calls == []
