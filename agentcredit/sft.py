@@ -1,6 +1,12 @@
 """``agentcredit sft``: a distillation teacher from a recipe, by supervised fine-tuning on scripted-expert turns.
 
     agentcredit sft recipes/trl/minigrid_gigpo.yaml --out runs/teacher/minigrid [--steps 60] [key=value ...]
+    agentcredit sft recipes/trl/synthetic_keydoor_compare.yaml --out runs/format --player random
+
+With ``--player random`` the episodes are played by uniformly random legal actions instead: the checkpoint learns
+the answer format and nothing about the task (a start for comparing credit estimators from a uniform-like policy);
+its summary's ``format`` block says how close it is to that: the probability mass it puts on legal actions and its
+entropy over them against ``log |legal actions|`` (:func:`format_report`).
 
 The teacher must score the student's tokens, so it is the recipe's own model (same tokenizer) fine-tuned on the
 recipe's own turn format: for ``--episodes`` training seeds (drawn from ``agentcredit.train_seeds`` past the ones a
@@ -26,7 +32,15 @@ from . import lifecycle, policy
 from .evaluation import as_dict, evaluate
 from .recipe import Recipe, RecipeError, resolved_yaml
 
-__all__ = ["expert_turns", "fingerprint", "run_sft"]
+__all__ = ["expert_turns", "fingerprint", "run_sft", "player_setting", "format_report", "PLAYERS"]
+
+#: who plays the episodes the warm start learns from
+PLAYERS = ("expert", "random")
+
+
+def player_setting(player: str) -> dict[str, Any]:
+    """The fingerprint entry of ``player``: none for the expert (checkpoints made before the option stay valid)."""
+    return {} if player == "expert" else {"player": player}
 
 
 def fingerprint(recipe: Recipe, **settings: Any) -> dict[str, Any]:
@@ -45,8 +59,10 @@ def fingerprint(recipe: Recipe, **settings: Any) -> dict[str, Any]:
     return json.loads(json.dumps(raw, default=str))
 
 
-def expert_turns(recipe: Recipe, tokenizer, seeds: list[int], rng: random.Random) -> list[tuple[list[int], list[int]]]:
-    """``(prompt_ids, target_ids)`` of every turn of one expert episode per seed, in the rollout's format."""
+def expert_turns(recipe: Recipe, tokenizer, seeds: list[int], rng: random.Random, player: str = "expert"
+                 ) -> list[tuple[list[int], list[int]]]:
+    """``(prompt_ids, target_ids)`` of every turn of one episode per seed, in the rollout's format, played by the
+    env's scripted expert (``player="expert"``) or by uniformly random legal actions (``"random"``)."""
     import env_adapters
     from env_adapters.prompting import build_prompt
 
@@ -54,7 +70,12 @@ def expert_turns(recipe: Recipe, tokenizer, seeds: list[int], rng: random.Random
 
     ac = recipe.agentcredit
     env = env_adapters.make(ac.env, **dict(ac.env_options))
-    if not callable(getattr(env, "expert_actions", None)):
+    if player not in PLAYERS:
+        raise RecipeError(f"sft player={player!r}; choose one of {list(PLAYERS)}")
+    if player == "random" and not callable(getattr(env, "legal_actions", None)):
+        raise RecipeError(f"agentcredit.env={ac.env!r} lists no legal actions (legal_actions()); the random player "
+                          f"needs them")
+    if player == "expert" and not callable(getattr(env, "expert_actions", None)):
         raise RecipeError(f"agentcredit.env={ac.env!r} has no scripted expert (expert_actions()); agentcredit sft "
                           f"needs one (MiniGrid with moves=absolute has it)")
     rows, actions = [], []
@@ -62,7 +83,7 @@ def expert_turns(recipe: Recipe, tokenizer, seeds: list[int], rng: random.Random
         obs = env.reset(seed)
         history: list[tuple[str, str | None]] = []
         for _ in range(ac.max_turns):
-            moves = env.expert_actions()
+            moves = env.expert_actions() if player == "expert" else legal_actions(env)
             if not moves:
                 break
             action = rng.choice(moves)
@@ -79,7 +100,7 @@ def expert_turns(recipe: Recipe, tokenizer, seeds: list[int], rng: random.Random
             if res.done:
                 break
     # generation stops after max_new_tokens, so a longer answer is cut before its </action> and parsed as invalid:
-    # the warm start would teach a move the rollout can never make
+    # the warm start would teach a move the rollout can never make (the random player: a legal action never taken)
     over = actions_over_budget(tokenizer, actions, ac.max_new_tokens)
     if over:
         action, n = over[0]
@@ -113,8 +134,9 @@ def _batches(rows, batch_size: int, steps: int, rng: random.Random, pad: int):
 
 def run_sft(recipe: Recipe, out: str, episodes: int = 256, steps: int = 60, batch_size: int = 32,
             learning_rate: float | None = None, seed: int = 0, eval: bool = True,  # noqa: A002
-            final_out: str | None = None) -> dict[str, Any]:
-    """Fine-tune the recipe's model on expert turns and save it to ``out``; returns the summary (also written to
+            final_out: str | None = None, player: str = "expert") -> dict[str, Any]:
+    """Fine-tune the recipe's model on the turns of ``player`` (:data:`PLAYERS`: the scripted expert, or uniformly
+    random legal actions) and save it to ``out``; returns the summary (also written to
     ``out/sft_summary.json``). ``steps=0`` saves and evaluates the model as it is (a start with no warm start, e.g.
     a pretrained LM in ``benchmarks/credit_learning.py``); its losses are then ``None``. ``final_out`` is the folder
     the summary names as ``out`` when ``out`` is a temporary one renamed into place afterwards (the warm start's
@@ -123,6 +145,8 @@ def run_sft(recipe: Recipe, out: str, episodes: int = 256, steps: int = 60, batc
     checked before any model loads; ``out`` gets the recipe (``recipe.yaml``) next to the weights."""
     import torch
 
+    if player not in PLAYERS:
+        raise RecipeError(f"sft player={player!r}; choose one of {list(PLAYERS)}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise RecipeError(f"sft steps={steps!r}: give a whole number >= 0 (0 saves and evaluates the model as is)")
     if learning_rate is None:
@@ -145,14 +169,14 @@ def run_sft(recipe: Recipe, out: str, episodes: int = 256, steps: int = 60, batc
     seeds = rng.sample(pool, episodes)  # from the top of the range: train_seeds() samples the whole range
     model_path, tokenizer, model = policy.load_model(recipe)
     model, trainable, total = policy.adapt_model(model, recipe)
-    rows = expert_turns(recipe, tokenizer, seeds, rng)
+    rows = expert_turns(recipe, tokenizer, seeds, rng, player)
     if not rows:
-        raise RecipeError("the scripted expert produced no turns (are the seeds' episodes already solved?)")
+        raise RecipeError(f"the {player} player produced no turns (are the seeds' episodes already solved?)")
     use_bf16 = bool(recipe.trl_args.get("bf16", False))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=learning_rate)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    print(f"agentcredit sft: {len(rows)} expert turns from {episodes} episodes | model {model_path} | "
+    print(f"agentcredit sft: {len(rows)} {player} turns from {episodes} episodes | model {model_path} | "
           f"{trainable:,} of {total:,} parameters trainable | {steps} steps x {batch_size}", flush=True)
     model.train()
     log = []
@@ -173,7 +197,12 @@ def run_sft(recipe: Recipe, out: str, episodes: int = 256, steps: int = 60, batc
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
     (target / "recipe.yaml").write_text(resolved_yaml(recipe))
-    result = None
+    result, fmt = None, None
+    if player == "random":  # what the warm start knows beyond the format; cheap, so also without eval
+        held_out = ac.eval.seed_list[:4] if ac.eval is not None else seeds[:4]
+        fmt = format_report(model, tokenizer, recipe, held_out, random.Random(seed + 1))
+        print(f"format: legal-action mass {fmt['legal_mass']:.3f}, entropy over legal actions {fmt['entropy']:.3f} "
+              f"(log |legal| {fmt['log_legal']:.3f}) on {fmt['states']} states of random episodes", flush=True)
     if eval and ac.eval is not None:
         result = evaluate(model, tokenizer, recipe)
         print(f"teacher held-out: success {result.success_rate:.1%} [{result.success_ci[0]:.1%}, "
@@ -183,9 +212,61 @@ def run_sft(recipe: Recipe, out: str, episodes: int = 256, steps: int = 60, batc
                "episodes": episodes, "turns": len(rows), "steps": steps, "batch_size": batch_size,
                "learning_rate": learning_rate, "loss_first": log[0] if log else None,
                "loss_last": log[-1] if log else None,
-               "seconds": round(time.time() - t0, 1), "eval": as_dict(result),
+               "player": player, "seconds": round(time.time() - t0, 1), "eval": as_dict(result), "format": fmt,
                "fingerprint": fingerprint(recipe, episodes=episodes, steps=steps, batch_size=batch_size,
-                                          learning_rate=learning_rate)}
+                                          learning_rate=learning_rate, **player_setting(player))}
     (target / "sft_summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     print(str(target), flush=True)
     return summary
+
+
+def format_report(model, tokenizer, recipe: Recipe, seeds: list[int], rng: random.Random) -> dict[str, float]:
+    """How much a warm start knows beyond the answer format, at the states of uniformly random episodes on ``seeds``:
+    each legal action's reply ``action</action>`` is scored by the model (the sum of its token log-probabilities);
+    ``legal_mass`` is the mean total probability of the legal replies (1: the format is learnt), ``entropy`` the mean
+    entropy of the model's distribution renormalised over the legal actions, ``log_legal`` the mean
+    ``log |legal actions|`` (equal entropy: a uniform policy over the legal actions, i.e. no task knowledge)."""
+    import math
+
+    import torch
+
+    import env_adapters
+    from env_adapters.prompting import build_prompt
+
+    from .trl.prompts import ACTION_STOP, chat_text, compact_prompt, legal_actions
+
+    ac = recipe.agentcredit
+    env = env_adapters.make(ac.env, **dict(ac.env_options))
+    mass, ent, log_legal = [], [], []
+    model.eval()
+    for seed in seeds:
+        obs, history = env.reset(seed), []
+        for _ in range(ac.max_turns):
+            legal = legal_actions(env)
+            if not legal:
+                break
+            task = getattr(env, "task", "")
+            user = (compact_prompt(task, obs, legal) if ac.prompt == "compact"
+                    else build_prompt(task, history, obs, legal, ac.history_length))
+            prompt = tokenizer(chat_text(tokenizer, user, ac.system), add_special_tokens=False)["input_ids"]
+            scores = []
+            with torch.no_grad():
+                for action in legal:
+                    target = tokenizer(f"{action}{ACTION_STOP}", add_special_tokens=False)["input_ids"]
+                    ids = torch.tensor([prompt + target])
+                    logp = torch.log_softmax(model(input_ids=ids).logits[0, len(prompt) - 1:-1].float(), -1)
+                    scores.append(float(logp.gather(-1, torch.tensor(target)[:, None]).sum()))
+            s = torch.tensor(scores, dtype=torch.float64)
+            p = torch.softmax(s, 0)
+            mass.append(float(torch.logsumexp(s, 0).exp()))
+            ent.append(float(-(p * p.clamp_min(1e-300).log()).sum()))
+            log_legal.append(math.log(len(legal)))
+            action = rng.choice(legal)
+            history.append((obs, action))
+            res = env.step(action)
+            obs = res.observation
+            if res.done:
+                break
+    n = max(len(mass), 1)
+    return {"states": len(mass), "legal_mass": sum(mass) / n, "entropy": sum(ent) / n,
+            "log_legal": sum(log_legal) / n}

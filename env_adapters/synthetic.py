@@ -5,7 +5,8 @@ families ``rooms``, ``keydoor``, ``lock``, ``allfail``). This module adds
 
 * :class:`SyntheticAdapter`: a task as a text game (the registered env ``synthetic``): text observations with the
   admissible commands, ``legal_actions()``, ``snapshot()`` / ``restore()`` (so the counterfactual and tree rollouts
-  branch from it), the 10/0 reward convention plus the invalid-action penalty. The reset seed draws the task of the
+  branch from it), ``goal_rankings()`` (the legal actions' exact values under alternative goals of the same layout,
+  :func:`~env_adapters.synthetic_solver.alt_goals`), the 10/0 reward convention plus the invalid-action penalty. The reset seed draws the task of the
   family (as MiniGrid's seed draws the room); :attr:`SyntheticAdapter.mdp` is the task being played, whose exact
   values :func:`~env_adapters.synthetic_solver.solve` gives.
 * the batch builders the credit-quality benchmark feeds the estimators with, all from one tabular policy:
@@ -24,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from .base import StepResult, begin_step, check_snapshot, episode_seed
+from .base import GOAL_GAMMA, GoalRanking, StepResult, begin_step, check_snapshot, episode_seed
 from .prompting import INVALID_PENALTY
-from .synthetic_solver import FAMILIES, Rollouts, Task, make_task, rollout
+from .synthetic_solver import FAMILIES, Rollouts, Task, alt_goals, goal_values, make_task, rollout
 
 __all__ = ["SyntheticAdapter", "Batch", "flat_batch", "counterfactual_extras", "tree_batch", "MILESTONES",
            "FAMILIES"]
@@ -50,17 +51,24 @@ class SyntheticAdapter:
         seed: default seed of :meth:`reset` (the task drawn from the family); None: task seed 0.
         success_reward: reward of the step that enters the goal.
         invalid_penalty: reward of a step whose text is not one of the state's commands (the state does not change).
+        task_seed: play this one task of the family on every reset (the reset seed then changes nothing: the tasks
+            are deterministic, so episodes differ only by the policy's sampling), as the credit-quality benchmark
+            trains one task; None: the reset seed draws the task.
 
     The step limit is the caller's (``horizon`` of the task, :attr:`horizon`, is what the solver assumes).
     """
 
     def __init__(self, family: str = "rooms", seed: int | None = None, success_reward: float = 10.0,
-                 invalid_penalty: float = INVALID_PENALTY):
+                 invalid_penalty: float = INVALID_PENALTY, task_seed: int | None = None):
         if family not in FAMILIES:
             raise ValueError(f"family={family!r}; choose one of {list(FAMILIES)}")
-        self.family, self.seed = family, seed
+        if task_seed is not None and (isinstance(task_seed, bool) or not isinstance(task_seed, int) or task_seed < 0):
+            raise ValueError(f"task_seed={task_seed!r}: give a whole number >= 0 (one task of the family for every "
+                             f"episode) or null (the reset seed draws the task)")
+        self.family, self.seed, self.task_seed = family, seed, task_seed
         self.success_reward, self.invalid_penalty = float(success_reward), float(invalid_penalty)
-        self.mdp: Task = make_task(family, 0 if seed is None else int(episode_seed(seed, "synthetic")))
+        first = task_seed if task_seed is not None else 0 if seed is None else int(episode_seed(seed, "synthetic"))
+        self.mdp: Task = make_task(family, first)
         self.task = (f"You are an agent in a text game. {_TASK_TEXT[family]} Answer with exactly one of the "
                      f"admissible commands listed after each observation.")
         self._state = self.mdp.start
@@ -73,6 +81,8 @@ class SyntheticAdapter:
     # ---- AgentEnv -------------------------------------------------------------------------------------------
     def reset(self, seed: int | None = None) -> str:
         seed = episode_seed(self.seed if seed is None else seed, "synthetic")
+        if self.task_seed is not None:
+            seed = self.task_seed
         self.mdp = make_task(self.family, 0 if seed is None else seed)
         self._state, self._done, self._solved = self.mdp.start, False, False
         return self.render()
@@ -112,6 +122,27 @@ class SyntheticAdapter:
                              f"{self.family!r}")
         self.mdp = make_task(self.family, int(snap["task_seed"]))
         self._state, self._done, self._solved = int(snap["state"]), bool(snap["done"]), bool(snap["solved"])
+
+    def goal_rankings(self, k: int, rng) -> list[GoalRanking]:
+        """Up to ``k`` alternative goals at the current state (drawn without replacement by ``rng``, a
+        ``random.Random``; :func:`~env_adapters.synthetic_solver.alt_goals`), each with the legal actions' exact
+        ``Q*`` under it (:func:`~env_adapters.synthetic_solver.goal_values`, ``GOAL_GAMMA``); goals under which every
+        action is worth the same are left out. The prompt changes in its task sentence only."""
+        if k < 1:
+            raise ValueError(f"goal_rankings(k={k}): ask for at least one alternative goal")
+        if self._done:
+            return []
+        s, legal = self._state, self.legal_actions()
+        out = []
+        for goal in (goals := alt_goals(self.mdp, s)) and rng.sample(goals, len(goals)):
+            q = goal_values(self.mdp, goal, GOAL_GAMMA)[s, :len(legal)]
+            if q.max() == q.min():
+                continue
+            out.append(GoalRanking(goal.text, ((_TASK_TEXT[self.family], goal.text),), tuple(legal),
+                                   tuple(float(v) for v in q)))
+            if len(out) == k:
+                break
+        return out
 
     # ---- text -----------------------------------------------------------------------------------------------
     def render(self) -> str:

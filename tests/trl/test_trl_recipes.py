@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TRL_RECIPES = sorted(glob.glob(str(ROOT / "recipes" / "trl" / "*.yaml")))
 DEMO = str(ROOT / "recipes" / "trl" / "minigrid_gigpo.yaml")
 TINY_DEMO = str(ROOT / "recipes" / "trl" / "minigrid_demo.yaml")
+SYNTHETIC = str(ROOT / "recipes" / "trl" / "synthetic_keydoor_compare.yaml")
 
 BASE = """\
 model_name_or_path: tiny-qwen2
@@ -161,6 +162,8 @@ def test_warm_start_block_is_validated():
                             ("agentcredit.warm_start.learning_rate=.nan", r"warm_start.learning_rate must be a finite"),
                             ("agentcredit.warm_start.learning_rate=fast", r"warm_start.learning_rate must be a finite"),
                             ("agentcredit.warm_start=[1]", r"agentcredit.warm_start must be a mapping"),
+                            ("agentcredit.warm_start.policy=best", r"warm_start.policy='best'; choose one of "
+                                                                   r"\['expert', 'random'\]"),
                             ("agentcredit.rollout=memory", r"warm_start trains on the Markovian turn prompts.*"
                                                            r"rollout: memory"),
                             # env_options overrides merge: null drops the demo's view: coords
@@ -168,6 +171,10 @@ def test_warm_start_block_is_validated():
                                                                                       r"scripted expert")]:
         with pytest.raises(RecipeError, match=match):
             load_recipe(TINY_DEMO, [override])
+    # the random player needs no scripted expert
+    r = load_recipe(TINY_DEMO, ["agentcredit.env_options={moves: relative, view: null}",
+                                "agentcredit.warm_start.policy=random"])
+    assert r.agentcredit.warm_start.policy == "random"
 
 
 def test_warm_start_is_built_aside_so_an_interrupted_one_is_never_reused(tmp_path, monkeypatch):
@@ -246,6 +253,35 @@ def test_the_warm_start_fingerprint_follows_what_changes_the_checkpoint():
         assert sft.fingerprint(load_recipe(TINY_DEMO, [override], validate_trl=False), steps=400) != base, override
     assert sft.fingerprint(load_recipe(TINY_DEMO, ["learning_rate=3e-4"]), steps=400) == base  # the RL lr: no
     assert sft.fingerprint(load_recipe(TINY_DEMO), steps=401) != base
+    # the player changes the checkpoint; the expert's adds nothing, so warm starts made before the option stay valid
+    assert sft.fingerprint(load_recipe(TINY_DEMO), steps=400, **sft.player_setting("expert")) == base
+    assert sft.fingerprint(load_recipe(TINY_DEMO), steps=400, **sft.player_setting("random")) != base
+
+
+def test_random_player_warm_start_teaches_legal_actions_only(tmp_path):
+    """``player="random"``: every target is a legal action of the state its prompt shows, the actions of one state
+    are all taken (uniform, not the expert's choice), and the summary reports the format: legal-action mass in
+    [0, 1] and the entropy over the legal actions, never above log |legal actions|."""
+    import random
+
+    from agentcredit import policy, sft
+    from env_adapters.synthetic_solver import make_task
+
+    recipe = load_recipe(SYNTHETIC, ["agentcredit.eval.seeds=[20000,20002]", "agentcredit.max_turns=6"])
+    _, tok, _ = policy.load_model(recipe)
+    rows = sft.expert_turns(recipe, tok, list(range(40)), random.Random(0), player="random")
+    task = make_task("keydoor", 0)
+    decoded = [(tok.decode(p), tok.decode(t).removesuffix("</action>")) for p, t in rows]
+    assert {a for _, a in decoded} <= {a for acts in task.actions for a in acts}
+    at_start = [a for p, a in decoded if task.observations[task.start] in p]
+    assert len(at_start) >= 40 and set(at_start) <= set(task.actions[task.start])
+    assert len(set(at_start)) >= 3  # 40 uniform draws over the start's actions, not one expert move
+    with pytest.raises(RecipeError, match=r"player='best'"):
+        sft.expert_turns(recipe, tok, [0], random.Random(0), player="best")
+    summary = sft.run_sft(recipe, str(tmp_path / "fmt"), episodes=4, steps=2, batch_size=4, player="random")
+    fmt = summary["format"]
+    assert summary["player"] == "random" and fmt["states"] > 0
+    assert 0.0 <= fmt["legal_mass"] <= 1.0 + 1e-9 and 0.0 <= fmt["entropy"] <= fmt["log_legal"] + 1e-9
 
 
 def test_tensorboard_added_unless_report_to_is_set(tmp_path):
@@ -335,6 +371,18 @@ def test_unknown_estimator_lists_valid(tmp_path):
 def test_unknown_scheduler(tmp_path):
     with pytest.raises(ValueError, match="agentcredit.schedule='no_such_schedule'.*scheduler"):
         load_recipe(_write(tmp_path), ["agentcredit.schedule=no_such_schedule"])
+
+
+def test_adv_scale_is_validated_and_null_means_the_default(tmp_path):
+    from credit_plugins.scaling import DEFAULT_ADV_SCALE
+
+    assert load_recipe(_write(tmp_path)).agentcredit.adv_scale == DEFAULT_ADV_SCALE
+    assert load_recipe(_write(tmp_path), ["agentcredit.adv_scale=null"]).agentcredit.adv_scale == DEFAULT_ADV_SCALE
+    assert load_recipe(_write(tmp_path), ["agentcredit.adv_scale=batch_rms"]).agentcredit.adv_scale == "batch_rms"
+    for bad in ("rms", "[batch_rms]", "1", "None"):
+        with pytest.raises(RecipeError, match=r"agentcredit.adv_scale=.* is not an advantage scale; valid: none, "
+                                              r"batch_rms, batch_std"):
+            load_recipe(_write(tmp_path), [f"agentcredit.adv_scale={bad}"])
 
 
 def test_bad_credit_param_names_it(tmp_path):
@@ -466,6 +514,7 @@ def test_cli_train_end_to_end_on_the_tiny_model(tmp_path, capsys):
     code = cli.main(["train", DEMO, "model_name_or_path=tiny-qwen2", "agentcredit.groups_per_step=1",
                      "agentcredit.episodes_per_group=2", "per_device_train_batch_size=12",
                      "agentcredit.freeze_layers=1",  # the tiny model has 2 layers (the demo freezes 20 of 30)
+                     "agentcredit.adv_scale=batch_std",  # reaches the trainer: its factor is logged every step
                      "agentcredit.eval.seeds=[20000,20004]", f"output_dir={out}", "--max-steps", "2"])
     printed = capsys.readouterr().out
     assert code == 0
@@ -473,7 +522,9 @@ def test_cli_train_end_to_end_on_the_tiny_model(tmp_path, capsys):
     assert len(rows) == 2 and [r["step"] for r in rows] == [1, 2]
     assert all(math.isfinite(r["loss"]) for r in rows)
     assert all("agentcredit/success" in r for r in rows)
+    assert all(0 < r["agentcredit/adv_scale_factor"] < 1e6 for r in rows)
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["adv_scale"] == "batch_std"
     assert summary["before"]["n_episodes"] == 4 and summary["after"]["n_episodes"] == 4
     assert 0.0 <= summary["after"]["success_rate"] <= 1.0 and summary["steps"] == 2
     assert summary["credit"] == "gigpo" and summary["recipe"].endswith("minigrid_gigpo.yaml")
