@@ -181,8 +181,11 @@ def hidden_noise(module: nn.Module, sigma: float, layers: Sequence[int] = (),
         if sigma == 0.0 or not torch.is_tensor(h):
             return None
         count["calls"] += 1
-        gen = generator if generator is not None and generator.device == h.device else None
-        eps = torch.randn(h.shape, generator=gen, device=h.device, dtype=torch.float32).to(h.dtype)
+        if generator is None:
+            eps = torch.randn(h.shape, device=h.device, dtype=torch.float32)
+        else:  # drawn where the generator lives: the same stream whichever device holds the layer
+            eps = torch.randn(h.shape, generator=generator, device=generator.device, dtype=torch.float32)
+        eps = eps.to(h.device, h.dtype)
         noisy = h + sigma * rms(h) * eps
         return (noisy, *output[1:]) if isinstance(output, tuple) else noisy
 

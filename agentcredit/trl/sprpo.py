@@ -12,8 +12,9 @@
   without gradient; the k3 estimate of ``KL(pi || pi~)`` on the completion tokens is the sensitivity ``D``. A
   step with ``D > kl_max`` trains on the clean forward (that micro-batch recomputes its log-probs clean, with
   gradient, and the step's later micro-batches are not perturbed): the trust-region guard.
-* After each optimizer step the controller adapts ``sigma`` from ``D`` (a ``TrainerCallback``); the noise stream is
-  seeded from ``seed`` and the controller's step, so a resumed run draws the same noise.
+* After each optimizer step the controller adapts ``sigma`` from ``D`` (a ``TrainerCallback``; with several
+  processes from the mean of their ``D``, so every rank keeps one ``sigma``); the noise stream is seeded from ``seed``
+  and the controller's step, so a resumed run draws the same noise.
 
 Logged: ``agentcredit_sprpo/{sigma,sensitivity,rejected,perturbed_forwards}``. The controller's state is saved in
 each checkpoint (``agentcredit_sprpo.pt``) and restored on resume. Gradient checkpointing is unaffected: the noise is
@@ -98,11 +99,11 @@ class SPrPOMixin:
         mask = inputs["completion_mask"]
         if inputs.get("tool_mask") is not None:
             mask = mask * inputs["tool_mask"]
-        self._sprpo_mask, self._sprpo_in_loss, self._sprpo_model = mask, True, model
+        self._sprpo_mask, self._sprpo_in_loss = mask, True
         try:
             return super()._compute_loss(model, inputs)
         finally:
-            self._sprpo_in_loss, self._sprpo_mask, self._sprpo_model = False, None, None
+            self._sprpo_in_loss, self._sprpo_mask = False, None
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         if not self._sprpo_in_loss or self._sprpo.sigma == 0.0:
@@ -135,6 +136,10 @@ class SPrPOMixin:
 
     # -- once per optimizer step ------------------------------------------------------------------------------
     def _sprpo_after_step(self) -> None:
+        if self._sprpo_measured is not None and self.accelerator.num_processes > 1:
+            # every rank measured its own micro-batch: one mean, so every rank keeps the same sigma
+            d = torch.tensor([self._sprpo_measured], dtype=torch.float64, device=self.accelerator.device)
+            self._sprpo_measured = float(self.accelerator.reduce(d, reduction="mean").item())
         m = self._metrics["train"]
         m["agentcredit_sprpo/sigma"].append(self._sprpo.sigma)
         if self._sprpo_measured is not None:
