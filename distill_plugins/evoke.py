@@ -31,7 +31,7 @@ pairwise:  L_g = mean_{(a, b): Q*_g(a) > Q*_g(b)} log(1 + exp(-(score_g(a) - sco
 L_EVOKE = mean_g L_g;   loss = L_RL + w_k * L_EVOKE
 w_k = weight (constant) | weight * min(1, k / schedule_steps) (warmup) | weight * max(0, 1 - k / schedule_steps) (linear)
 rank_acc = share of strictly ordered pairs with score_g(a) > score_g(b) (ties in score: 1/2)
-top1_acc = share of groups whose highest-scored action is in B_g
+top1_acc = share of groups whose highest-scored action is in B_g (tied top scores: their share in B_g)
 """
 
 LOSSES = ("listwise", "pairwise")
@@ -124,7 +124,8 @@ def ranking_accuracy(scores: torch.Tensor, values: torch.Tensor, mask: torch.Ten
     agree = torch.where(diff > 0, 1.0, torch.where(diff == 0, 0.5, 0.0)).to(torch.float64)
     rank_acc = float((agree * pairs).sum() / pairs.sum())
     best = mask & (values == values.masked_fill(~mask, float("-inf")).amax(1, keepdim=True))
-    top = scores.masked_fill(~mask, float("-inf")).argmax(1)
-    hit = best.gather(1, top.unsqueeze(1)).squeeze(1)
-    return {"rank_acc": rank_acc, "top1_acc": float(hit[informative].double().mean()), "groups": float(n)}
+    masked = scores.masked_fill(~mask, float("-inf"))
+    top = mask & (masked == masked.amax(1, keepdim=True))  # score ties at the top: each counts its share
+    hit = (top & best).sum(1).double() / top.sum(1).clamp_min(1)
+    return {"rank_acc": rank_acc, "top1_acc": float(hit[informative].mean()), "groups": float(n)}
 

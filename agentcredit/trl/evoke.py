@@ -38,7 +38,8 @@ from ..state import load_state
 from ._compat import checkpoint_folder
 from .prompts import ACTION_STOP
 
-__all__ = ["TermMixin", "EVOKEMixin", "STATE_FILE"]
+__all__ = ["TermMixin", "EVOKEMixin", "STATE_FILE", "candidate_batch", "group_scores", "score_groups",
+           "goal_swap_groups"]
 
 STATE_FILE = "agentcredit_evoke.pt"
 
@@ -150,33 +151,12 @@ class EVOKEMixin:
 
     def _evoke_scores(self, model, groups: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[G, A]`` candidate scores (summed answer-token log-probs, with gradient), values and candidate mask."""
-        pad = self.processing_class.pad_token_id
-        pad = self.processing_class.eos_token_id if pad is None else pad
-        rows = [(g["prompt"], a) for g in groups for a in g["answers"]]
-        p_len = max(len(p) for p, _ in rows)
-        a_len = max(len(a) for _, a in rows)
-        ids = torch.full((len(rows), p_len + a_len), int(pad), dtype=torch.long)
-        att = torch.zeros_like(ids)
-        amask = torch.zeros(len(rows), a_len)
-        for i, (p, a) in enumerate(rows):
-            ids[i, p_len - len(p):p_len] = torch.tensor(p)
-            ids[i, p_len:p_len + len(a)] = torch.tensor(a)
-            att[i, p_len - len(p):p_len + len(a)] = 1
-            amask[i, :len(a)] = 1
+        ids, att, amask = candidate_batch(groups, _pad_id(self.processing_class))
         device = self.accelerator.device
         with self.accelerator.autocast():
-            logps, _, _ = self._get_per_token_logps_and_entropies(model, ids.to(device), att.to(device), a_len)
-        seq = (logps.float() * amask.to(logps.device)).sum(1)
-        width = max(len(g["answers"]) for g in groups)
-        group = torch.tensor([j for j, g in enumerate(groups) for _ in g["answers"]], device=seq.device)
-        slot = torch.tensor([i for g in groups for i in range(len(g["answers"]))], device=seq.device)
-        scores = seq.new_zeros(len(groups), width).index_put((group, slot), seq)
-        values = torch.zeros(len(groups), width, dtype=torch.float64)
-        mask = torch.zeros(len(groups), width, dtype=torch.bool)
-        for j, g in enumerate(groups):
-            values[j, :len(g["values"])] = torch.tensor(g["values"], dtype=torch.float64)
-            mask[j, :len(g["values"])] = True
-        return scores, values.to(scores.device), mask.to(scores.device)
+            logps, _, _ = self._get_per_token_logps_and_entropies(model, ids.to(device), att.to(device),
+                                                                  amask.size(1))
+        return group_scores(logps, amask, groups)
 
     # -- checkpoint and resume -----------------------------------------------------------------------------------
     def _save_checkpoint(self, model, trial):
@@ -197,3 +177,89 @@ class EVOKEMixin:
 
 #: the name :func:`agentcredit.trl.credit.term_mixin` looks up
 TermMixin = EVOKEMixin
+
+
+def _pad_id(tokenizer) -> int:
+    return int(tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id)
+
+
+def candidate_batch(groups: list[dict[str, Any]], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every (group, candidate) as one row, TRL's completion layout: ``ids`` / ``att`` ``[N, P + L]`` (prompt
+    left-padded to P, answer right-padded to L) and the answer mask ``[N, L]``."""
+    rows = [(g["prompt"], a) for g in groups for a in g["answers"]]
+    p_len = max(len(p) for p, _ in rows)
+    a_len = max(len(a) for _, a in rows)
+    ids = torch.full((len(rows), p_len + a_len), pad, dtype=torch.long)
+    att = torch.zeros_like(ids)
+    amask = torch.zeros(len(rows), a_len)
+    for i, (p, a) in enumerate(rows):
+        ids[i, p_len - len(p):p_len] = torch.tensor(p)
+        ids[i, p_len:p_len + len(a)] = torch.tensor(a)
+        att[i, p_len - len(p):p_len + len(a)] = 1
+        amask[i, :len(a)] = 1
+    return ids, att, amask
+
+
+def group_scores(logps: torch.Tensor, amask: torch.Tensor, groups: list[dict[str, Any]]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The answer log-probs ``logps`` ``[N, L]`` of :func:`candidate_batch`'s rows summed per answer and laid out as
+    ``[G, A]`` scores, with the groups' values and the candidate mask (padding columns: score 0, masked)."""
+    seq = (logps.float() * amask.to(logps.device)).sum(1)
+    width = max(len(g["answers"]) for g in groups)
+    group = torch.tensor([j for j, g in enumerate(groups) for _ in g["answers"]], device=seq.device)
+    slot = torch.tensor([i for g in groups for i in range(len(g["answers"]))], device=seq.device)
+    scores = seq.new_zeros(len(groups), width).index_put((group, slot), seq)
+    values = torch.zeros(len(groups), width, dtype=torch.float64)
+    mask = torch.zeros(len(groups), width, dtype=torch.bool)
+    for j, g in enumerate(groups):
+        values[j, :len(g["values"])] = torch.tensor(g["values"], dtype=torch.float64)
+        mask[j, :len(g["values"])] = True
+    return scores, values.to(scores.device), mask.to(scores.device)
+
+
+@torch.no_grad()
+def goal_swap_groups(model, tokenizer, env_name: str, env_options: dict | None, seeds, goals: int = 2,
+                     walk: int = 3, system: str | None = None, temperature: float = 1.0, rng_seed: int = 0
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Held-out goal-swap ranking: per seed, reset, take ``0..walk`` uniformly random legal moves (a
+    ``random.Random(rng_seed)`` stream), draw ``goals`` alternative goals there and score the legal actions under
+    each in the compact turn prompt (:mod:`agentcredit.trl.prompts`); returns :func:`group_scores`' ``[G, A]``
+    scores, values and mask for :func:`distill_plugins.evoke.ranking_accuracy`."""
+    import env_adapters
+
+    from .prompts import chat_text, compact_prompt
+
+    rng = random.Random(rng_seed)
+    env = env_adapters.make(env_name, **dict(env_options or {}))
+    groups = []
+    for seed in seeds:
+        env.reset(int(seed))
+        for _ in range(rng.randrange(walk + 1)):
+            if env.step(rng.choice(env.legal_actions())).done:
+                env.reset(int(seed))
+        text = chat_text(tokenizer, compact_prompt(env.task, env.render(), env.legal_actions()), system)
+        for r in env.goal_rankings(goals, rng):
+            groups.append({"prompt": tokenizer(r.rewrite(text), add_special_tokens=False)["input_ids"],
+                           "answers": [tokenizer(f"{a}{ACTION_STOP}", add_special_tokens=False)["input_ids"]
+                                       for a in r.actions], "values": list(r.values)})
+    return score_groups(model, groups, _pad_id(tokenizer), temperature)
+
+
+@torch.no_grad()
+def score_groups(model, groups: list[dict[str, Any]], pad: int, temperature: float = 1.0, batch_size: int = 256
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`group_scores` of ``groups`` under ``model`` (a plain HF forward in eval mode, no gradient, rows in
+    batches of ``batch_size``): what the mixin computes with gradient, for evaluation."""
+    ids, att, amask = candidate_batch(groups, pad)
+    was = model.training
+    model.eval()
+    n_ans, parts = amask.size(1), []
+    try:
+        for lo in range(0, ids.size(0), batch_size):
+            hi = lo + batch_size
+            logits = model(input_ids=ids[lo:hi], attention_mask=att[lo:hi],
+                           logits_to_keep=n_ans + 1).logits[:, :-1].float() / temperature
+            parts.append(torch.log_softmax(logits, -1).gather(-1, ids[lo:hi, -n_ans:, None]).squeeze(-1))
+    finally:
+        model.train(was)
+    return group_scores(torch.cat(parts), amask, groups)

@@ -9,7 +9,8 @@ __all__ = ["SPEC"]
 
 SPEC = TermSpec(
     name="evoke", params=EVOKEParams,
-    paper="Guo et al., 2026, Eliciting World Knowledge in Agents for Transferable Decision-Making (EVOKE)",
+    paper="Guo et al., 2026, EVOKE: Eliciting World Knowledge in Agents for Transferable Decision-Making, "
+          "arXiv:2609.38334",
     summary="Goal diversity at fixed states: at sampled decision states the policy ranks the legal actions under "
             "alternative goals (same state, same history) against the env solver's ordering; a listwise or pairwise "
             "ranking loss is added to the RL loss.",

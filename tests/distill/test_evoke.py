@@ -55,7 +55,10 @@ def test_accuracy_perfect_reversed_and_score_ties():
     values = t([[0.9, 0.81, 0.729, 0.0]])
     assert ranking_accuracy(t([[4.0, 3.0, 2.0, 1.0]]), values) == {"rank_acc": 1.0, "top1_acc": 1.0, "groups": 1.0}
     assert ranking_accuracy(t([[1.0, 2.0, 3.0, 4.0]]), values)["rank_acc"] == 0.0
-    assert ranking_accuracy(t([[1.0, 1.0, 1.0, 1.0]]), values)["rank_acc"] == 0.5
+    assert ranking_accuracy(t([[1.0, 1.0, 1.0, 1.0]]), values) == {"rank_acc": 0.5, "top1_acc": 0.25, "groups": 1.0}
+    # two top-scored actions, one of them the best: half a hit, whichever column comes first
+    assert ranking_accuracy(t([[2.0, 2.0, 0.0, 0.0]]), values)["top1_acc"] == 0.5
+    assert ranking_accuracy(t([[0.0, 2.0, 2.0, 0.0]]), values)["top1_acc"] == 0.0
 
 
 groups = st.integers(1, 4).flatmap(lambda g: st.integers(2, 6).flatmap(lambda a: st.tuples(
@@ -80,13 +83,13 @@ def test_permuting_candidates_with_their_targets_changes_nothing(case, form):
 def test_loss_decreases_along_its_gradient(case, form):
     scores, values = t(case[0]).requires_grad_(), t(case[1])
     loss = evoke_loss(scores, values, form=form)
-    if not loss.requires_grad or float(loss) == 0.0:
+    if not loss.requires_grad or float(loss.detach()) == 0.0:
         return
     loss.backward()
     if float(scores.grad.norm()) < 1e-8:
         return
     stepped = evoke_loss((scores - 1e-3 * scores.grad / scores.grad.norm()).detach(), values, form=form)
-    assert float(stepped) < float(loss)
+    assert float(stepped) < float(loss.detach())
 
 
 def test_sorting_scores_by_value_maximises_accuracy_and_lowers_loss():

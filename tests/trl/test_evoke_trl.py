@@ -9,6 +9,7 @@ import torch
 
 pytest.importorskip("trl")
 
+from agentcredit.trl.evoke import score_groups  # noqa: E402
 from distill_plugins.evoke import evoke_loss  # noqa: E402
 from tests.helpers.trl_runs import turn_rollout_trainer  # noqa: E402
 
@@ -54,6 +55,10 @@ def test_evoke_term_is_added_to_the_loss_and_trains_the_policy(tmp_path):
     model = t1.model
     model.zero_grad()
     scores, values, mask = t1._evoke_scores(model, t1._evoke_chunks[0])
+    # the same scores as a plain forward of the evaluation path (TRL's fused head and padding change nothing)
+    plain, plain_values, plain_mask = score_groups(model, t1._evoke_chunks[0], t1.processing_class.pad_token_id)
+    assert torch.equal(mask, plain_mask) and torch.equal(values, plain_values)
+    assert torch.allclose(scores.detach()[mask], plain[mask], atol=1e-4)
     evoke_loss(scores, values, mask).backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads) and sum(float(g.abs().sum()) for g in grads) > 0
