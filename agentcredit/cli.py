@@ -287,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-before", action="store_true", help="skip only the evaluation before fine-tuning")
     p.set_defaults(func=_cmd_ross)
     p = sub.add_parser("compare", help="compare credit estimators on a TRL recipe: the same seeds and budget for "
-                       "each, held-out success with 95 % intervals, paired differences, learning curves",
+                       "each, held-out success with 95 %% intervals, paired differences, learning curves",
                        description="Run `agentcredit train RECIPE` for every estimator of --credit and every seed "
                        "0..N-1 (each in its own subprocess and folder), then report held-out success per method "
                        "(95 % t-interval over seeds, pooled Wilson), paired differences to the first method and steps "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -500,8 +501,9 @@ def evaluate_start(out: str, recipe_path: str, overrides: Sequence[str]) -> None
 
 
 # ---- the report -----------------------------------------------------------------------------------------------------
-def _interval(x) -> list[float] | None:
-    return list(x) if x is not None else None
+def _interval(x, lo: float = -math.inf, hi: float = math.inf) -> list[float] | None:
+    """An interval as a JSON list, clipped to ``[lo, hi]`` (a success rate's t-interval to [0, 1])."""
+    return [max(lo, float(x[0])), min(hi, float(x[1]))] if x is not None else None
 
 
 def report(p: Plan) -> dict[str, Any]:
@@ -519,7 +521,7 @@ def report(p: Plan) -> dict[str, Any]:
         row = {"method": m, "params": p.params[m], "seeds": len(recs),
                "missing_seeds": [s for s in p.seeds if (m, s) not in runs], "per_seed": per_seed,
                "mean": sum(per_seed.values()) / len(recs) if recs else None,
-               "t95": _interval(t_interval(list(per_seed.values()))),
+               "t95": _interval(t_interval(list(per_seed.values())), 0.0, 1.0),
                "pooled": k / n if n else None, "successes": k, "episodes": n,
                "pooled_wilson95": list(wilson_interval(k, n)) if n else None,
                "mean_valid": (sum(r["valid"] or 0.0 for r in recs) / len(recs)) if recs else None,
@@ -529,7 +531,7 @@ def report(p: Plan) -> dict[str, Any]:
         row["steps_to_threshold"]["t95_restricted"] = _interval(row["steps_to_threshold"]["t95_restricted"])
         if m != first:
             d = paired_by_seed(per_seed, base)
-            row["diff_vs_first"] = {**d, "t95": _interval(d["t95"]), "baseline": first}
+            row["diff_vs_first"] = {**d, "t95": _interval(d["t95"], -1.0, 1.0), "baseline": first}
         table.append(row)
     return {"config": p.describe(), "start": start, "threshold": p.threshold, "baseline": first, "table": table,
             "runs": [runs[k] for k in sorted(runs, key=lambda ms: (p.methods.index(ms[0]), ms[1]))]}

@@ -58,6 +58,15 @@ def test_bad_input_is_one_error_line_and_nothing_runs(capsys, monkeypatch, tmp_p
     assert fake.calls == [] and not (tmp_path / "cmp").exists()
 
 
+def test_help_of_agentcredit_and_of_compare(capsys):
+    for argv in (["--help"], ["compare", "--help"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "compare credit estimators" in out and "--report-only" in out
+
+
 def test_verl_recipe_and_missing_recipe(capsys, tmp_path):
     for recipe, word in ((ROOT / "recipes" / "verl" / "sokoban_gigpo.yaml", "TRL recipes"), (tmp_path / "x.yaml",
                                                                                             "does not exist")):
@@ -116,6 +125,53 @@ def test_interrupted_compare_redoes_only_the_rest(tmp_path):
     assert second.runs() == [("grpo", 1), ("gigpo", 1)] and out["skipped"] == 3 and not out["failed"]
     third = FakeTrain()
     assert compare.execute(p, launcher=third, progress=False)["skipped"] == 5 and third.calls == []
+
+
+class Running:
+    """A child that runs until signalled (then exits 130), or, ``stubborn``, until killed."""
+
+    def __init__(self, stubborn=False):
+        self.signals, self.killed, self.stubborn, self.rc = [], False, stubborn, None
+
+    def poll(self):
+        return self.rc
+
+    def send_signal(self, sig):
+        self.signals.append(sig)
+        if not self.stubborn:
+            self.rc = 130
+
+    def kill(self):
+        self.killed, self.rc = True, -9
+
+    def wait(self):
+        return self.rc
+
+
+@pytest.mark.parametrize("stubborn", [False, True])
+def test_sigterm_stops_the_running_children_and_writes_no_record(monkeypatch, tmp_path, stubborn):
+    import os
+    import signal
+
+    monkeypatch.setattr(compare, "GRACE_SECONDS", 0.3)
+    p = _plan(tmp_path, credit="grpo", seeds=2)
+    p.jobs = 3
+    child, fake = Running(stubborn), FakeTrain()
+
+    def launcher(argv, env, log):
+        if argv[1] == "evaluate-start":
+            return fake(argv, env, log)
+        if _kv(argv)["seed"] == "0":
+            return child
+        os.kill(os.getpid(), signal.SIGTERM)  # as `kill PID` on compare while seed 0 runs
+        return Running()
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(compare.Interrupted, match="1 of 3 jobs finished"):
+        compare.execute(p, launcher=launcher, progress=False)
+    assert child.signals == [signal.SIGINT] and child.killed == stubborn
+    assert [compare.read_result(j.dir) is not None for j in compare.jobs(p)] == [True, False, False]
+    assert signal.getsignal(signal.SIGTERM) is before  # compare's handler is removed again
 
 
 def test_unfinished_runs_resume_from_a_checkpoint_or_restart_clean(tmp_path):
@@ -183,14 +239,15 @@ def test_report_statistics_on_known_runs(tmp_path):
     assert json.loads(Path(res["json"]).read_text())["table"] == json.loads(json.dumps(res["table"]))
     grpo, gigpo, crbc = res["table"]
     assert grpo["per_seed"] == {0: 0.25, 1: 0.5, 2: 0.75} and grpo["mean"] == pytest.approx(0.5)
-    assert grpo["t95"] == pytest.approx([0.5 - 4.302652729749462 * 0.25 / 3 ** 0.5,
-                                         0.5 + 4.302652729749462 * 0.25 / 3 ** 0.5])
+    assert grpo["t95"] == [0.0, 1.0]  # 0.5 -+ t_{0.975,2} * 0.25 / sqrt(3) = [-0.12, 1.12], clipped to a rate
     assert (grpo["successes"], grpo["episodes"], grpo["pooled"]) == (12, 24, 0.5)
     assert grpo["pooled_wilson95"] == pytest.approx(list(compare.wilson_interval(12, 24)))
     assert "diff_vs_first" not in grpo
     d = gigpo["diff_vs_first"]  # gigpo - grpo per seed: 2/8, 1/8, 2/8
     assert d["seeds"] == [0, 1, 2] and d["differences"] == pytest.approx([0.25, 0.125, 0.25])
     assert d["mean"] == pytest.approx(5 / 24) and d["baseline"] == "grpo"
+    h = 4.302652729749462 * (0.125 / 3 ** 0.5) / 3 ** 0.5  # sd of (2, 1, 2) / 8 is 0.125 / sqrt(3)
+    assert d["t95"] == pytest.approx([5 / 24 - h, 5 / 24 + h])
     assert crbc["seeds"] == 1 and crbc["missing_seeds"] == [1, 2] and crbc["t95"] is None
     assert crbc["diff_vs_first"]["seeds"] == [0] and crbc["diff_vs_first"]["mean"] == pytest.approx(-1 / 8)
     s = grpo["steps_to_threshold"]  # seed 0 reaches 0.5 at step 2, seed 1 at step 1, seed 2 never (censored at 4)
