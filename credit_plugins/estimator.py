@@ -368,6 +368,9 @@ class Estimator:
             optional, with the rollout piece that produces it. Bridges and the recipe loader read this record
             (:meth:`sources`, :meth:`reads`, :meth:`extra_names`) instead of knowing estimators by name.
         output: ``"step"`` ([S]) or ``"token"`` ([S, L]).
+        similarity: the params field holding an anchor-similarity threshold (GiGPO's ``"similarity_thresh"``), or
+            None. When its value is below 1 the estimator compares state *texts* (:meth:`StepTable.anchor_at`), so
+            a bridge builds the ``state`` column from the texts, not their hashes (:meth:`reads_state_text`).
         stateful: ``None`` for a pure estimator. For a method that carries state from batch to batch (MVPO's
             kappa schedule and milestone weights, SIPO's a2), the class holding that state: built as
             ``stateful(params)``, called as ``instance(steps) -> Tensor`` (input order, float32), with
@@ -393,6 +396,7 @@ class Estimator:
     output: str = "step"
     stateful: type | None = None
     extras: tuple[Extra, ...] = ()
+    similarity: str | None = None
 
     def __post_init__(self):
         unknown = sorted(set(self.requires) - set(StepTable.FIELDS))
@@ -401,6 +405,9 @@ class Estimator:
                              f"{StepTable.FIELDS}; declare extras with extras=(Extra(name, source), ...)")
         if self.output not in ("step", "token"):
             raise ValueError(f"estimator {self.name!r}: output must be 'step' or 'token', got {self.output!r}")
+        if self.similarity is not None and self.similarity not in {f.name for f in dataclasses.fields(self.params)}:
+            raise ValueError(f"estimator {self.name!r}: similarity={self.similarity!r} is not a field of "
+                             f"{self.params.__name__}; name the parameter that holds the similarity threshold")
 
     @property
     def required_fields(self) -> tuple[str, ...]:
@@ -419,6 +426,14 @@ class Estimator:
         """The rollout pieces (keys of :data:`SOURCES`) that produce the extras the estimator needs (default) or
         reads (``required=None``)."""
         return frozenset(e.source for e in self.extras if required is None or e.required == required)
+
+    def reads_state_text(self, **params: Any) -> bool:
+        """Whether the estimator with ``params`` compares state texts (a :attr:`similarity` threshold below 1): the
+        bridges then give the StepTable the state texts, not only their hashes."""
+        if self.similarity is None:
+            return False
+        threshold = getattr(self.make_params(**params), self.similarity)
+        return threshold is not None and threshold < 1
 
     def make_params(self, **values: Any):
         return make_params(self.params, values, owner=f"estimator {self.name!r}")

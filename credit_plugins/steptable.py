@@ -18,7 +18,8 @@ field          dtype    meaning
 Any column may be given as a tensor, a numpy array or a list. Integer keys are kept; strings (or other hashable
 values) are turned into stable 64-bit keys (:func:`credit_plugins.hashing.stable_hash`). Rows may come in any
 order: the table sorts them by ``(traj, t)`` once, and :meth:`StepTable.to_input_order` puts an estimator's output
-back in the caller's order.
+back in the caller's order. A ``state`` column of strings is also kept as given (by reference), so that
+:meth:`StepTable.anchor_at` can merge near-identical states by their text (GiGPO's ``similarity_thresh``).
 
 Defaults for optional columns: ``action`` -1 everywhere; ``success`` is ``return > 0`` of the trajectory (the
 ALFWorld/WebShop convention: 10 on success, 0 or a penalty otherwise); ``truncated`` False. ``state`` has no
@@ -43,6 +44,7 @@ import torch
 
 from .hashing import RESERVED_KEYS, stable_hash_many
 from .segments import dense_ids, discounted_cumsum, segment_sum
+from .similarity import check_threshold, similar_anchor_keys
 
 __all__ = ["StepTable", "list_block"]
 
@@ -232,6 +234,10 @@ class StepTable:
                                  f"{tuple(col.shape)[:1] or '()'} but traj has {n} rows; give one entry per step row")
             self._extras[name] = col
         self._given = frozenset(k for k, v in cols.items() if v is not None) | frozenset(self._extras)
+        # the state values as given (input order), kept by reference for similarity anchors (:meth:`anchor_at`)
+        self._state_values = None if state is None or isinstance(state, torch.Tensor) or (
+            isinstance(state, np.ndarray) and state.dtype.kind in "biuf") else state
+        self._similar: dict[float, tuple[torch.Tensor, int]] = {}
         bad = ~torch.isfinite(cols["reward"])
         if bool(bad.any()):
             i = int(bad.nonzero()[0])
@@ -320,7 +326,9 @@ class StepTable:
         """A new table of the same rows, in the same input order, with ``extras`` added to (or replacing) these."""
         inv = self.inverse
         cols = {name: getattr(self, "_" + name)[inv] for name in self.FIELDS if name in self._given}
-        return StepTable(**cols, extras={**{k: v[inv] for k, v in self._extras.items()}, **extras})
+        out = StepTable(**cols, extras={**{k: v[inv] for k, v in self._extras.items()}, **extras})
+        out._state_values = self._state_values  # same rows in the same input order: the state texts carry over
+        return out
 
     def extra(self, name: str, default: Any = _REQUIRED) -> Any:
         """The block ``name`` given in ``extras``, sorted by ``(traj, t)`` like every column.
@@ -416,6 +424,31 @@ class StepTable:
             logger.debug("StepTable: none of the %d anchor states repeats within its group; step-level credit terms "
                          "are 0 for this batch (check that state keys exclude history and formatting)", n)
         return ids, n
+
+    def anchor_at(self, threshold: float | None, by: str = "similarity_thresh") -> tuple[torch.Tensor, int]:
+        """:attr:`anchor` with near-identical states merged: within each group, states whose texts reach the difflib
+        ratio ``threshold`` share an anchor (:mod:`credit_plugins.similarity`; order-invariant). ``threshold`` None
+        or 1 is :attr:`anchor` itself. Needs the ``state`` column as strings (hashes cannot be compared); ``by``
+        names the parameter in the error."""
+        threshold = check_threshold(threshold, by)
+        if threshold is None or threshold >= 1.0:
+            return self.anchor
+        if threshold not in self._similar:
+            anchor, n = self.anchor
+            rep = torch.full((n,), self.n_steps, dtype=torch.int64).scatter_reduce(
+                0, anchor, torch.arange(self.n_steps), "amin")  # one row per exact anchor
+            rows = self.order[rep].tolist()  # input rows
+            values = self._state_values
+            bad = next((i for i in rows if not isinstance(values[i], str)), None) if values is not None else \
+                (rows[0] if rows else None)
+            if bad is not None:
+                got = "hashed keys (a tensor or integers)" if values is None else f"a non-text key ({type(values[bad]).__name__})"
+                raise ValueError(f"{by}={threshold} merges states by their text, but StepTable.state holds {got} "
+                                 f"(input row {bad}); pass the state texts (strings) as the state column, or "
+                                 f"{by}=None for exact anchors")
+            keys = similar_anchor_keys([values[i] for i in rows], self.row_group[rep].numpy(), threshold)
+            self._similar[threshold] = dense_ids(self.row_group, torch.from_numpy(keys)[anchor])
+        return self._similar[threshold]
 
     @cached_property
     def inverse(self) -> torch.Tensor:

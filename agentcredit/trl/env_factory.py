@@ -49,9 +49,10 @@ def environment_factory(env: str, **env_options) -> type:
     row's ``seed`` and returns the task, the first observation and the actions (TRL appends it to the user message).
 
     Records (read by the credit mixin), on each instance: ``agentcredit_turns`` (one dict per tool call executed on
-    the env: ``state`` = stable hash of ``state_key()`` before, ``action`` = stable hash of the action key or -1,
-    ``reward``, ``valid``; a call after the episode ended is answered "episode is over" and not recorded),
-    ``agentcredit_final_state``, ``agentcredit_success``, ``agentcredit_done``. ``get_reward()`` is the episode return.
+    the env: ``state`` = stable hash of ``state_key()`` before and ``state_text`` that key itself, ``action`` =
+    stable hash of the action key or -1, ``reward``, ``valid``; a call after the episode ended is answered "episode
+    is over" and not recorded), ``agentcredit_final_state`` (and ``agentcredit_final_state_text``),
+    ``agentcredit_success``, ``agentcredit_done``. ``get_reward()`` is the episode return.
     """
     import env_adapters
 
@@ -64,6 +65,7 @@ def environment_factory(env: str, **env_options) -> type:
         self._env = env_adapters.make(env, **env_options)
         self.agentcredit_turns = []
         self.agentcredit_final_state = 0
+        self.agentcredit_final_state_text = None
         self.agentcredit_success = False
         self.agentcredit_done = True
         self._return = 0.0
@@ -81,7 +83,8 @@ def environment_factory(env: str, **env_options) -> type:
         seed = row.get("seed")
         obs = self._env.reset(None if seed is None else int(seed))
         self.agentcredit_turns = []
-        self.agentcredit_final_state = stable_hash(self._env.state_key())
+        self.agentcredit_final_state_text = self._env.state_key()
+        self.agentcredit_final_state = stable_hash(self.agentcredit_final_state_text)
         self.agentcredit_success = False
         self.agentcredit_done = False
         self._return = 0.0
@@ -90,13 +93,15 @@ def environment_factory(env: str, **env_options) -> type:
     def _act(self, action: str | None) -> str:
         if self.agentcredit_done:
             return "The episode is over. Reward 0."
-        state = stable_hash(self._env.state_key())
+        text = self._env.state_key()
         key = self._env.action_key(action)
         res = self._env.step(action)
-        self.agentcredit_turns.append({"state": int(state), "action": -1 if key is None else int(stable_hash(key)),
+        self.agentcredit_turns.append({"state": int(stable_hash(text)), "state_text": text,
+                                       "action": -1 if key is None else int(stable_hash(key)),
                                        "reward": float(res.reward), "valid": key is not None})
         self._return += float(res.reward)
-        self.agentcredit_final_state = stable_hash(self._env.state_key())
+        self.agentcredit_final_state_text = self._env.state_key()
+        self.agentcredit_final_state = stable_hash(self.agentcredit_final_state_text)
         self.agentcredit_done = bool(res.done)
         self.agentcredit_success = bool(res.success)
         if key is None:

@@ -5,7 +5,8 @@ Its prompts are Markovian (the task, the current observation and the legal actio
 one group: ``E = G // max_turns`` episodes of one seed fill its ``G`` rows (episode 0's turns first, then episode
 1's, ...; then padding rows). Every row carries the step-level metadata the credit mixin reads as extra fields
 (``agentcredit_traj``, ``agentcredit_t``, ``agentcredit_state``, ``agentcredit_action``, ``agentcredit_reward``,
-``agentcredit_success``, ``agentcredit_truncated``, ``agentcredit_valid``)::
+``agentcredit_success``, ``agentcredit_truncated``, ``agentcredit_valid``; and ``agentcredit_state_text``, the state
+text itself, which the mixin reads only for an estimator that merges similar states)::
 
     rollout = TurnRollout("minigrid", dict(size=6, moves="absolute"), max_turns=6)
     trainer = GRPOTrainer(model=..., reward_funcs=[rollout.reward_func], rollout_func=rollout,
@@ -71,7 +72,7 @@ class TurnRollout:
     context: type[TranscriptContext] = TranscriptContext
 
     FIELDS = ("agentcredit_traj", "agentcredit_t", "agentcredit_state", "agentcredit_action", "agentcredit_reward",
-              "agentcredit_success", "agentcredit_truncated", "agentcredit_valid")
+              "agentcredit_success", "agentcredit_truncated", "agentcredit_valid", "agentcredit_state_text")
 
     def __init__(self, env: str, env_options: dict | None = None, max_turns: int = 6, max_new_tokens: int = 8,
                  prompt: str = "compact", history_length: int = 0, system: str | None = None,
@@ -166,7 +167,8 @@ class TurnRollout:
             out["agentcredit_extras"] = []
         pad_extras = next((dict.fromkeys(tr.extras, 0) for ep in episodes for tr in ep.turns if tr.extras), {})
 
-        def row(p, c, m, traj, t, state, action, reward, success, truncated, valid, extras=None, lps=None):
+        def row(p, c, m, traj, t, state, action, reward, success, truncated, valid, extras=None, lps=None,
+                text=None):
             if with_extras:
                 out["agentcredit_extras"].append(extras if extras is not None else pad_extras)
             if out["logprobs"] is not None:
@@ -174,7 +176,7 @@ class TurnRollout:
             out["prompt_ids"].append(p)
             out["completion_ids"].append(c)
             out["env_mask"].append(m)
-            for k, v in zip(self.FIELDS, (traj, t, state, action, reward, success, truncated, valid)):
+            for k, v in zip(self.FIELDS, (traj, t, state, action, reward, success, truncated, valid, text)):
                 out[k].append(v)
 
         for b in range(blocks):
@@ -185,7 +187,7 @@ class TurnRollout:
                     row(tr.prompt_ids, tr.completion_ids, [int(not tr.by_teacher)] * len(tr.completion_ids), b * E + e,
                         tr.t,
                         int(tr.state), int(tr.action), float(tr.reward), bool(ep.success), bool(ep.truncated),
-                        bool(tr.valid), tr.extras, tr.logprobs)
+                        bool(tr.valid), tr.extras, tr.logprobs, tr.state_text)
                     n += 1
             for _ in range(G - n):
                 row([eos], [eos], [0], -1, 0, 0, -1, 0.0, False, False, False)

@@ -138,7 +138,7 @@ class TreeRollout(TurnRollout):
     scale-free criterion with penalty ``lam``).
     """
 
-    FIELDS = TurnRollout.FIELDS
+    FIELDS = TurnRollout.FIELDS[:-1]  # all but agentcredit_state_text: tree nodes keep only the state's hash
 
     def __init__(self, env: str, env_options: dict | None = None, *, initial: int = 4, iterations: int = 1,
                  beam: int = 2, branches: int = 2, criterion: str = "sfc", alpha: float = 0.05, lam: float = 0.05,

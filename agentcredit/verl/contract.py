@@ -10,7 +10,8 @@ key                 type                      meaning (default when absent)
                                               of the TransferQueue key, i.e. the index in the AgentLoop's output
                                               list)
 ``anchor_key``      str | int                 canonical state the action was taken in, without history; required
-                                              by step-level estimators (gigpo, graphhca, crbc, mvpo)
+                                              by step-level estimators (gigpo, graphhca, crbc, mvpo); a str
+                                              reaches the StepTable as text, which ``similarity_thresh`` needs
 ``action_key``      str | int | None          the parsed semantic action; None when invalid (-1)
 ``step_reward``     float                     env reward of this step, the final reward included on the last step
                                               (0 on every step but the last, which gets the row's reward score)

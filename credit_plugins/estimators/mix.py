@@ -191,6 +191,13 @@ class MixEstimator(Estimator):
             lines += ["      " + ln for ln in textwrap.dedent(est.formula).strip().splitlines()[:3]]
         return "\n".join(lines)
 
+    def reads_state_text(self, **params: Any) -> bool:
+        """Whether a part of non-zero weight compares state texts (its own ``similarity_thresh``)."""
+        from .. import registry
+
+        p = self.make_params(**params)
+        return any(registry.get(n).reads_state_text(**p.params.get(n, {})) for n, w in p.parts.items() if w != 0)
+
     def describe_composition(self, **params: Any) -> str:
         """The composition a given set of parameters builds (``agentcredit describe mix`` with a recipe's params)."""
         p = self.make_params(**params)

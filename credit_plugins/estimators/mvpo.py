@@ -120,6 +120,10 @@ class MVPOParams:
                        low_open=True, why="a zero-variance group would divide by zero")
     episode_stats: str = param("steps", "A^epi statistics over 'steps' (verl-agent/GiGPO default, kappa=0 equals "
                                "gigpo) or 'trajectories' (the paper's Eq. 2).", choices=EPISODE_STATS)
+    similarity_thresh: float | None = param(
+        None, "Anchor groups as gigpo's similarity_thresh: None exact states; p also merges states whose texts reach "
+        "difflib's ratio p within a task group (needs state texts).", low=0.0, high=1.0,
+        why="a difflib ratio lies in [0, 1]")
     # ---- routing and the kappa schedule ----
     eps_route: float = param(1e-6, "Anchor groups with std of G <= eps_route (zero-credit) get kappa * A^pot "
                              "instead of A^anchor [RECON].", low=0.0)
@@ -400,8 +404,9 @@ def mvpo_terms(steps: StepTable, p: MVPOParams, state: dict[str, Any]) -> tuple[
 
     # step 1: GiGPO terms
     a_epi = episode_advantage(steps, norm_std=p.norm_std, eps=p.eps, episode_stats=p.episode_stats)
-    a_anchor = step_advantage(steps, gamma=p.gamma, norm_std=p.norm_std, eps=p.eps)
-    anchor, n_anchor = steps.anchor
+    a_anchor = step_advantage(steps, gamma=p.gamma, norm_std=p.norm_std, eps=p.eps,
+                              similarity_thresh=p.similarity_thresh)
+    anchor, n_anchor = steps.anchor_at(p.similarity_thresh)
     _, anchor_std, anchor_n = segment_mean_std(steps.reward_to_go(p.gamma), anchor, n_anchor, ddof=1)
 
     # steps 3, 6: regions and their statistics
@@ -528,4 +533,5 @@ ESTIMATOR = Estimator(
     extras=(Extra("signature", "env"), Extra("milestones", "env", required=False),
             Extra("loop_flag", "env", required=False)),
     stateful=MVPO,
+    similarity="similarity_thresh",
 )

@@ -103,6 +103,10 @@ class UniOPSDParams:
     norm_std: bool = param(False, "GiGPO normalisation: False is 'mean_norm' (the paper configs), True divides both "
                            "tiers by their group std ('mean_std_norm').")
     episode_stats: str = param("steps", "A^E statistics over 'steps' (verl-agent default) or 'trajectories'.")
+    similarity_thresh: float | None = param(
+        None, "Anchor groups as gigpo's similarity_thresh: None exact states; p also merges states whose texts reach "
+        "difflib's ratio p within a task group (needs state texts).", low=0.0, high=1.0,
+        why="a difflib ratio lies in [0, 1]")
     a_reliability: float = param(0.5, "u = Var(T)/Var(A^S), the assumed reliability of the environment's step "
                                  "estimate; in (0, 1].")
     rho_decay: float = param(0.9, "EMA decay of the correlation rhobar between A^S and A^O; in [0, 1).")
@@ -429,13 +433,14 @@ def _batch(steps: StepTable, p: UniOPSDParams, state: dict[str, Any], want32: bo
     blocks = TokenBlocks(steps)
     rows = token_rows(steps, keep=keep, blocks=blocks)
     delta, mask = rows.delta, rows.mask
-    anchor, n_anchor = steps.anchor
+    anchor, n_anchor = steps.anchor_at(p.similarity_thresh)
 
     # outcome tiers (GiGPO); A^S is 0 exactly where the anchor group has no return spread
     ret = steps.reward_to_go(p.gamma)
     n_k, constant = anchor_spread(ret, anchor, n_anchor)
     a_episode = episode_advantage(steps, norm_std=p.norm_std, eps=p.eps, episode_stats=p.episode_stats)
-    a_step = p.step_weight * step_advantage(steps, gamma=p.gamma, norm_std=p.norm_std, eps=p.eps)
+    a_step = p.step_weight * step_advantage(steps, gamma=p.gamma, norm_std=p.norm_std, eps=p.eps,
+                                            similarity_thresh=p.similarity_thresh)
     a_step = torch.where(constant, torch.zeros_like(a_step), a_step)
 
     # teacher step estimate, centred in the same anchor group and scale-matched on the taught rows
@@ -656,4 +661,5 @@ ESTIMATOR = Estimator(
     extras=tuple(Extra(n, "hindsight") for n in EXTRAS),
     output="token",
     stateful=UniOPSD,
+    similarity="similarity_thresh",
 )

@@ -633,7 +633,9 @@ ALL_PARAMS = st.fixed_dictionaries({
     "beta_amp": st.sampled_from([0.1, 0.5, 1.0]), "amp_zero_sum": st.sampled_from(["eq13", "keep"]),
     "potential_form": st.sampled_from(["eq15", "eq29"]), "alpha_s": st.sampled_from([0.0, 1.0, 2.0]),
     "alpha_l": st.sampled_from([0.0, 1.0, 0.5]), "delta": st.sampled_from([0.0, 0.2, 1.0]),
-    "lambda_cnt": st.sampled_from([0.0, 1.0, 2.0, 4.0]), "terminal_potential": st.sampled_from(["hold", "outcome"])})
+    "lambda_cnt": st.sampled_from([0.0, 1.0, 2.0, 4.0]), "terminal_potential": st.sampled_from(["hold", "outcome"]),
+    # exact anchors, as the reference groups them; similar anchors: tests/credit/test_similarity.py (X4 vs gigpo)
+    "similarity_thresh": st.just(None)})
 
 
 def test_all_params_covers_every_field():
