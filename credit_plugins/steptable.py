@@ -442,7 +442,8 @@ class StepTable:
             bad = next((i for i in rows if not isinstance(values[i], str)), None) if values is not None else \
                 (rows[0] if rows else None)
             if bad is not None:
-                got = "hashed keys (a tensor or integers)" if values is None else f"a non-text key ({type(values[bad]).__name__})"
+                got = ("hashed keys (a tensor or integers)" if values is None
+                       else f"a non-text key ({type(values[bad]).__name__})")
                 raise ValueError(f"{by}={threshold} merges states by their text, but StepTable.state holds {got} "
                                  f"(input row {bad}); pass the state texts (strings) as the state column, or "
                                  f"{by}=None for exact anchors")

@@ -28,10 +28,12 @@ Where the steps come from (the first that applies)
 1. **One row per turn** (``agentcredit.trl.rollouts.TurnRollout``): the rows carry the extra fields
    ``agentcredit_traj`` (-1: padding row, left out), ``agentcredit_t``, ``agentcredit_state``,
    ``agentcredit_action``, ``agentcredit_success``, ``agentcredit_truncated`` and ``agentcredit_valid``, and
-   optionally ``agentcredit_extras`` (a dict per row, turned into StepTable extras: scalars ``[S]``, lists
-   ``[S, A]``; a tree's ``parent`` gets the rank offset of ``traj``). A row is one step; its reward is the row's TRL
-   reward (the rollout's ``reward_func`` returns the step reward). Token-level estimators (``[S, T]``: UniOPSD and
-   AlignOPSD, whose hindsight extras :mod:`agentcredit.trl.privileged` computes here) need this layout.
+   optionally ``agentcredit_state_text`` (the state's text, read only for an estimator that compares state texts:
+   ``Estimator.reads_state_text``) and ``agentcredit_extras`` (a dict per row, turned into StepTable extras:
+   scalars ``[S]``, lists ``[S, A]``; a tree's ``parent`` gets the rank offset of ``traj``). A row is one step;
+   its reward is the row's TRL reward (the rollout's ``reward_func`` returns the step reward). Token-level
+   estimators (``[S, T]``: UniOPSD and AlignOPSD, whose hindsight extras :mod:`agentcredit.trl.privileged`
+   computes here) need this layout.
 2. **One row per episode** (``environment_factory``, TRL's tool loop): the environment instance of row ``i``
    (``trainer.environments[i]``) keeps ``agentcredit_turns`` (one record ``{state, action, reward, valid}`` per tool
    call), ``agentcredit_final_state``, ``agentcredit_success`` and ``agentcredit_done``. The turns are the runs of
@@ -100,9 +102,10 @@ class StepRow:
 
     ``row`` is the step's row of this rank's generation batch and ``turn`` its turn there (the k-th run of model
     tokens; 0 in the one-row-per-turn layout); ``traj`` .. ``valid`` are the StepTable columns and ``extras`` the
-    rollout's ``agentcredit_extras`` of the row. :meth:`placed` fills the batch-wide fields: ``rank`` (the process that
-    generated the row), ``global_row`` (its row in the global batch) and ``group`` (TRL's prompt group), and makes
-    ``traj`` unique over the batch.
+    rollout's ``agentcredit_extras`` of the row; ``state_text`` is the state's text, collected only for an
+    estimator that compares state texts (``Estimator.reads_state_text``). :meth:`placed` fills the batch-wide
+    fields: ``rank`` (the process that generated the row), ``global_row`` (its row in the global batch) and
+    ``group`` (TRL's prompt group), and makes ``traj`` unique over the batch.
     """
 
     row: int
@@ -116,6 +119,7 @@ class StepRow:
     truncated: bool
     valid: bool = True
     extras: dict[str, Any] = field(default_factory=dict)
+    state_text: str | None = None
     rank: int = 0
     global_row: int = -1
     group: int = -1
@@ -127,9 +131,9 @@ class StepRow:
                        traj=rank * TRAJ_STRIDE + self.traj)
 
 
-def _step_rows_per_turn(inputs: list[dict], rewards: torch.Tensor) -> list[StepRow]:
+def _step_rows_per_turn(inputs: list[dict], rewards: torch.Tensor, texts: bool = False) -> list[StepRow]:
     """Rows of a one-row-per-turn rollout (one step each, turn 0); padding rows (traj -1) and unscorable rows (NaN
-    reward) are left out."""
+    reward) are left out. ``texts``: keep each row's ``agentcredit_state_text``."""
     out = []
     for i, row in enumerate(inputs):
         traj = int(row["agentcredit_traj"])
@@ -140,13 +144,15 @@ def _step_rows_per_turn(inputs: list[dict], rewards: torch.Tensor) -> list[StepR
                            action=int(row["agentcredit_action"]), reward=r,
                            success=bool(row["agentcredit_success"]), truncated=bool(row["agentcredit_truncated"]),
                            valid=bool(row.get("agentcredit_valid", True)),
-                           extras=dict(row.get("agentcredit_extras") or {})))
+                           extras=dict(row.get("agentcredit_extras") or {}),
+                           state_text=row.get("agentcredit_state_text") if texts else None))
     return out
 
 
-def _step_rows_from_envs(envs: list, rewards: torch.Tensor, n_turns: list[int]) -> list[StepRow]:
+def _step_rows_from_envs(envs: list, rewards: torch.Tensor, n_turns: list[int], texts: bool = False
+                         ) -> list[StepRow]:
     """Rows of whole-episode rollouts whose environments recorded ``agentcredit_turns`` (see the module doc): step
-    ``k`` of row ``i`` is its turn ``k`` (traj ``i``, t ``k``)."""
+    ``k`` of row ``i`` is its turn ``k`` (traj ``i``, t ``k``). ``texts``: keep the records' ``state_text``."""
     out = []
     for i, env in enumerate(envs):
         r_row = float(rewards[i])
@@ -154,28 +160,29 @@ def _step_rows_from_envs(envs: list, rewards: torch.Tensor, n_turns: list[int]) 
             continue
         records = list(getattr(env, "agentcredit_turns", []))
         final = int(getattr(env, "agentcredit_final_state", 0))
+        final_text = getattr(env, "agentcredit_final_state_text", None) if texts else None
         n = max(int(n_turns[i]), 1)
         steps = []
         for k in range(n):
             if k < len(records):
                 rec = records[k]
                 steps.append([k, int(rec["state"]), int(rec["action"]), float(rec["reward"]),
-                              bool(rec.get("valid", True))])
+                              bool(rec.get("valid", True)), rec.get("state_text") if texts else None])
             else:
-                steps.append([k, final, -1, 0.0, False])
+                steps.append([k, final, -1, 0.0, False, final_text])
         steps[-1][3] += r_row - sum(s[3] for s in steps)  # other reward functions' share lands on the last step
         success = bool(getattr(env, "agentcredit_success", False))
         truncated = not bool(getattr(env, "agentcredit_done", False))
         out.extend(StepRow(row=i, turn=k, traj=i, t=k, state=state, action=action, reward=reward, success=success,
-                           truncated=truncated, valid=valid)
-                   for k, state, action, reward, valid in steps)
+                           truncated=truncated, valid=valid, state_text=text)
+                   for k, state, action, reward, valid, text in steps)
     return out
 
 
-def _step_rows_plain(prompts: list, rewards: torch.Tensor) -> list[StepRow]:
+def _step_rows_plain(prompts: list, rewards: torch.Tensor, texts: bool = False) -> list[StepRow]:
     """One step per row: reward = the row's TRL reward, state = the prompt (NaN rows left out)."""
     return [StepRow(row=i, turn=0, traj=i, t=0, state=stable_hash(repr(p)), action=-1, reward=float(rewards[i]),
-                    success=float(rewards[i]) > 0, truncated=False)
+                    success=float(rewards[i]) > 0, truncated=False, state_text=repr(p) if texts else None)
             for i, p in enumerate(prompts) if float(rewards[i]) == float(rewards[i])]
 
 
@@ -223,6 +230,8 @@ class CreditMixin:
         # estimators whose step credit comes from revisited states warn once when it stays silent
         self._agentcredit_silence = (NoSignalWarning(self.credit) if "state" in registry.get(self.credit).requires
                                      else None)
+        # an estimator that merges similar states (similarity_thresh) reads the state texts, not only their hashes
+        self._agentcredit_texts = registry.get(self.credit).reads_state_text(**dict(self.credit_params))
         self._agentcredit_ctx: dict[str, Any] | None = None
         super().__init__(*args, **kwargs)
         if getattr(self, "scale_rewards", "group") != "group" or \
@@ -276,11 +285,12 @@ class CreditMixin:
         envs = getattr(self, "environments", None)
         if local_inputs and "agentcredit_traj" in local_inputs[0]:
             turn_ids = torch.where(mask.bool(), 0, -1)  # the whole row is one turn
-            rows = _step_rows_per_turn(local_inputs, local_rewards)
+            rows = _step_rows_per_turn(local_inputs, local_rewards, self._agentcredit_texts)
         elif envs and hasattr(envs[0], "agentcredit_turns"):
-            rows = _step_rows_from_envs(envs, local_rewards, (turn_ids.max(dim=1).values + 1).tolist())
+            rows = _step_rows_from_envs(envs, local_rewards, (turn_ids.max(dim=1).values + 1).tolist(),
+                                        self._agentcredit_texts)
         else:
-            rows = _step_rows_plain(ctx["prompts"], local_rewards)
+            rows = _step_rows_plain(ctx["prompts"], local_rewards, self._agentcredit_texts)
         # global row, group and a batch-unique trajectory id; then every rank sees every rank's steps
         rows = [r.placed(rank, n_local, G) for r in rows]
         return self._agentcredit_gather(rows), mask, turn_ids
@@ -293,7 +303,7 @@ class CreditMixin:
             # MVPO (or a mix with an MVPO part) and an env without a progress parser: state + depth bin (App. A.3)
             extras["signature"] = [default_signature(r.state, r.t) for r in rows]
         steps = StepTable(group=[r.group for r in rows], traj=[r.traj for r in rows], t=[r.t for r in rows],
-                          state=[r.state for r in rows], action=[r.action for r in rows],
+                          state=self._agentcredit_states(rows), action=[r.action for r in rows],
                           reward=[r.reward for r in rows], success=[r.success for r in rows],
                           truncated=[r.truncated for r in rows], extras=extras or None)
         if "hindsight" in registry.get(self.credit).sources():
@@ -301,6 +311,19 @@ class CreditMixin:
             local_row = torch.tensor([r.row for r in rows if r.rank == rank], dtype=torch.long)
             steps = self._agentcredit_hindsight(output, steps, local_row, local_inputs, mode, [r.valid for r in rows])
         return steps
+
+    def _agentcredit_states(self, rows: Sequence[StepRow]) -> list:
+        """The state column: the hashes, or the texts (same keys once hashed) for an estimator that compares them."""
+        if not self._agentcredit_texts:
+            return [r.state for r in rows]
+        missing = next((r for r in rows if r.state_text is None), None)
+        if missing is not None:
+            raise ValueError(f"estimator {self.credit!r} with these parameters merges similar states by their text "
+                             f"(similarity_thresh), but the rollout gave step {missing.t} of row {missing.global_row} "
+                             f"no state text; use agentcredit.trl.rollouts.TurnRollout or "
+                             f"agentcredit.trl.env_factory.environment_factory (they record it), or "
+                             f"similarity_thresh=None")
+        return [r.state_text for r in rows]
 
     @staticmethod
     def _agentcredit_scatter(adv: torch.Tensor, rows: Sequence[StepRow], rank: int, mask: torch.Tensor,
