@@ -15,11 +15,11 @@ from credit_plugins.estimators.mvpo import MVPO
 from credit_plugins.hashing import stable_hash
 from credit_plugins.similarity import cluster_leaders, similar_anchor_keys
 
+from tests.helpers.similar_anchors import DRAWER2, DRAWER3, REWARDS, TEXTS, expected_gigpo
 from tests.helpers.strategies import columns, step_batches
 
 gigpo = cp.get("gigpo")
 SETTINGS = settings(max_examples=60, deadline=None)
-DRAWER2, DRAWER3 = "You see a cabinet 1 and a drawer 2.", "You see a cabinet 1 and a drawer 3."
 
 
 def reference_clusters(texts, threshold):
@@ -127,21 +127,17 @@ def test_a_groups_keys_do_not_depend_on_other_groups():
 
 # ---- GiGPO -----------------------------------------------------------------------------------------------------
 def drawer_batch(state_type=str):
-    """two rollouts of one task whose first observations differ in one character; rollout 0 wins at t=1."""
-    states = [DRAWER2, "x", DRAWER3, "y"]
-    return cp.StepTable(group=[0] * 4, traj=[0, 0, 1, 1], t=[0, 1, 0, 1], reward=[0.0, 1.0, 0.0, 0.0],
-                        state=states if state_type is str else [stable_hash(s) for s in states])
+    """tests/helpers/similar_anchors.py's case: two rollouts whose first observations differ in one character."""
+    return cp.StepTable(group=[0] * 4, traj=[0, 0, 1, 1], t=[0, 1, 0, 1], reward=REWARDS,
+                        state=TEXTS if state_type is str else [stable_hash(s) for s in TEXTS])
 
 
 def test_gigpo_merges_two_near_identical_observations_by_hand():
     steps = drawer_batch()
-    # A^E over steps: returns [1, 1, 0, 0], mean 0.5, unbiased std sqrt(1/3)
-    a_e = 0.5 / (np.sqrt(1 / 3) + 1e-6)
     exact = gigpo(steps)  # every anchor is a singleton: A^S = 0
-    assert exact.tolist() == pytest.approx([a_e, a_e, -a_e, -a_e])
-    # ratio 68/70 >= 0.95: the two t=0 rows share an anchor; R_0 = [0.95, 0], mean 0.475, std 0.475 sqrt(2)
-    a_s = 0.475 / (0.475 * np.sqrt(2) + 1e-6)
-    assert gigpo(steps, similarity_thresh=0.95).tolist() == pytest.approx([a_e + a_s, a_e, -a_e - a_s, -a_e])
+    assert exact.tolist() == pytest.approx(expected_gigpo(merged=False))
+    # ratio 68/70 >= 0.95: the two t=0 rows share an anchor
+    assert gigpo(steps, similarity_thresh=0.95).tolist() == pytest.approx(expected_gigpo(merged=True))
     assert torch.equal(gigpo(steps, similarity_thresh=0.98), exact)  # 68/70 < 0.98: not merged
     assert torch.equal(gigpo(steps, similarity_thresh=1.0), exact)
 

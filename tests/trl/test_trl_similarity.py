@@ -4,7 +4,6 @@ StepTable's state column from the texts (the same keys once hashed) for an estim
 from __future__ import annotations
 
 import dataclasses
-import math
 import types
 
 import pytest
@@ -15,6 +14,7 @@ pytest.importorskip("trl")
 import credit_plugins as cp  # noqa: E402
 from credit_plugins.hashing import stable_hash  # noqa: E402
 from credit_plugins.similarity import similar_anchor_keys  # noqa: E402
+from tests.helpers.similar_anchors import REWARDS, TEXTS, expected_gigpo  # noqa: E402
 from agentcredit.trl.credit import (CreditMixin, StepRow, _step_rows_from_envs, _step_rows_per_turn,  # noqa: E402
                                    _step_rows_plain)
 
@@ -47,30 +47,23 @@ def test_the_state_column_is_the_texts_exactly_when_the_estimator_compares_them(
         CreditMixin._agentcredit_states(wants, [dataclasses.replace(rows[0], state_text=None)])
 
 
-DRAWER2, DRAWER3 = "You see a cabinet 1 and a drawer 2.", "You see a cabinet 1 and a drawer 3."  # ratio 68/70
-
-
 def test_turn_rows_with_near_identical_state_texts_share_an_anchor():
-    """Turn rows as TurnRollout writes them (two rollouts of one task; rollout 0 wins at t=1) through the mixin's
-    row collection and table: at 0.95 the two first observations are one anchor, and the advantages are GiGPO's
-    hand-computed ones (tests/credit/test_similarity.py)."""
-    texts = [DRAWER2, "x", DRAWER3, "y"]
+    """Turn rows as TurnRollout writes them (tests/helpers/similar_anchors.py's case) through the mixin's row
+    collection and table: at 0.95 the two first observations are one anchor, with GiGPO's hand-computed advantages."""
     inputs = [{"agentcredit_traj": traj, "agentcredit_t": t, "agentcredit_state": stable_hash(text),
                "agentcredit_state_text": text, "agentcredit_action": -1, "agentcredit_success": traj == 0,
                "agentcredit_truncated": False, "agentcredit_valid": True}
-              for traj, t, text in [(0, 0, texts[0]), (0, 1, texts[1]), (1, 0, texts[2]), (1, 1, texts[3])]]
+              for (traj, t), text in zip([(0, 0), (0, 1), (1, 0), (1, 1)], TEXTS)]
 
     class Bare(CreditMixin):
         credit, credit_params = "gigpo", {"similarity_thresh": 0.95}
 
     bare = object.__new__(Bare)  # no trainer: only the table-building methods run
     bare._agentcredit_texts = cp.get("gigpo").reads_state_text(**Bare.credit_params)
-    rows = [r.placed(0, 4, 4) for r in _step_rows_per_turn(inputs, torch.tensor([0.0, 1.0, 0.0, 0.0]), True)]
+    rows = [r.placed(0, 4, 4) for r in _step_rows_per_turn(inputs, torch.tensor(REWARDS), True)]
     steps = bare._agentcredit_table(None, rows, inputs, "train")
     assert steps.anchor[1] == 4 and steps.anchor_at(0.95)[1] == 3
-    a_e, a_s = 0.5 / (math.sqrt(1 / 3) + 1e-6), 0.475 / (0.475 * math.sqrt(2) + 1e-6)
-    assert cp.get("gigpo")(steps, similarity_thresh=0.95).tolist() == pytest.approx(
-        [a_e + a_s, a_e, -a_e - a_s, -a_e])
+    assert cp.get("gigpo")(steps, similarity_thresh=0.95).tolist() == pytest.approx(expected_gigpo(merged=True))
 
 
 def test_a_real_grpo_step_builds_the_table_from_state_texts(tmp_path):
