@@ -286,14 +286,10 @@ def job_argv(p: Plan, job: Job, extra: Sequence[str] = ()) -> list[str]:
             "agentcredit.eval.before=false", *extra]
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def collect_run(p: Plan, job: Job) -> dict[str, Any]:
     """A finished train run's record from its ``summary.json``, ``eval_episodes.jsonl`` and ``metrics.jsonl``."""
+    from .trl.callbacks import read_metrics  # any JSON-lines file; TRL is loaded already (the recipe checks)
+
     try:
         s = json.loads((job.dir / "summary.json").read_text())
     except (OSError, ValueError) as e:
@@ -301,8 +297,8 @@ def collect_run(p: Plan, job: Job) -> dict[str, Any]:
     if s.get("status") != "finished" or int(s.get("steps", -1)) != p.steps or not s.get("after"):
         raise CompareError(f"{job.name}: the run in {job.dir} did not finish {p.steps} steps with a held-out "
                            f"evaluation (status {s.get('status')!r}, {s.get('steps')} steps)")
-    after = [e for e in _read_jsonl(job.dir / "eval_episodes.jsonl") if e.get("phase") == "after"]
-    curve = [[int(r["step"]), float(r["agentcredit/success"])] for r in _read_jsonl(job.dir / "metrics.jsonl")
+    after = [e for e in read_metrics(job.dir / "eval_episodes.jsonl") if e.get("phase") == "after"]
+    curve = [[int(r["step"]), float(r["agentcredit/success"])] for r in read_metrics(job.dir / "metrics.jsonl")
              if r.get("agentcredit/success") is not None]
     ev = s["after"]
     n = len(after) or int(ev.get("n_episodes", 0))
@@ -388,11 +384,28 @@ def _stop(running: dict[Job, Any], say: Callable[[str], None]) -> None:
             proc.wait()
 
 
+def _finish(p: Plan, job: Job, rc: int) -> str:
+    """Write the record of a job that exited with ``rc``; returns why it failed ("" when it did not)."""
+    if rc:
+        return f"exit {rc}"
+    try:
+        if job.kind == "run":
+            write_json(job.dir / RESULT_FILE, collect_run(p, job))
+        elif p.start == "sft":
+            write_json(job.dir / RESULT_FILE, collect_start(p, job))
+        elif read_result(job.dir) is None:
+            return "no result written"
+    except CompareError as e:
+        return str(e)
+    return ""
+
+
 def execute(p: Plan, launcher: Callable[[list[str], dict[str, str], Path], Any] | None = None,
             progress: bool = True) -> dict[str, Any]:
     """Run the plan's unfinished jobs, ``p.jobs`` at once with ``max(1, cores // jobs)`` threads each, through
     ``launcher(argv, env, log)`` (default :func:`launch`; it returns a ``Popen``-like object); finished ones (a record
-    in their folder) are skipped. Returns ``skipped``, ``ran`` and ``failed`` (``(job name, reason)``).
+    in their folder) are skipped. Returns ``skipped`` (a count), ``ran`` (job names) and ``failed`` (``(job name,
+reason)``).
     A SIGINT or SIGTERM stops the children (:func:`_stop`) and raises :class:`Interrupted`."""
     from tqdm.auto import tqdm
 
@@ -411,7 +424,7 @@ def execute(p: Plan, launcher: Callable[[list[str], dict[str, str], Path], Any] 
         say(f"agentcredit compare: {len(every) - len(todo)} of {len(every)} jobs already finished in {p.dir} "
             f"(skipped)")
     running: dict[Job, tuple[Any, float, Path]] = {}
-    ran, failed = [], []
+    ran, failed, skipped = [], [], len(every) - len(todo)
     old = signal.getsignal(signal.SIGTERM)
 
     def on_term(signum, frame):
@@ -428,6 +441,7 @@ def execute(p: Plan, launcher: Callable[[list[str], dict[str, str], Path], Any] 
                 job = todo.pop(0)
                 extra = prepare(p, job)
                 if extra is None:  # finished before, its record written now
+                    skipped += 1
                     bar.update(1)
                     continue
                 job.dir.mkdir(parents=True, exist_ok=True)
@@ -443,17 +457,7 @@ def execute(p: Plan, launcher: Callable[[list[str], dict[str, str], Path], Any] 
                     continue
                 done_any = True
                 del running[job]
-                reason = f"exit {rc}" if rc else ""
-                if not rc:
-                    try:
-                        if job.kind == "run":
-                            write_json(job.dir / RESULT_FILE, collect_run(p, job))
-                        elif p.start == "sft":
-                            write_json(job.dir / RESULT_FILE, collect_start(p, job))
-                        elif read_result(job.dir) is None:
-                            reason = "no result written"
-                    except CompareError as e:
-                        reason = str(e)
+                reason = _finish(p, job, rc)
                 bar.update(1)
                 rec = read_result(job.dir) if not reason else None
                 if reason:
@@ -482,7 +486,7 @@ def execute(p: Plan, launcher: Callable[[list[str], dict[str, str], Path], Any] 
         if old is not None:
             signal.signal(signal.SIGTERM, old)
     bar.close()
-    return {"skipped": len(every) - len(ran) - len(failed), "ran": ran, "failed": failed}
+    return {"skipped": skipped, "ran": ran, "failed": failed}
 
 
 # ---- the start model, evaluated once --------------------------------------------------------------------------------

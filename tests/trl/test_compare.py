@@ -190,6 +190,7 @@ def test_unfinished_runs_resume_from_a_checkpoint_or_restart_clean(tmp_path):
     again = FakeTrain()
     out = compare.execute(p, launcher=again, progress=False)
     assert again.runs() == [("grpo", 0), ("grpo", 1)] and not out["failed"]
+    assert out["skipped"] == 2 and out["ran"] == ["grpo seed 0", "grpo seed 1"]  # the start and seed 2 (collected)
     assert _kv(again.calls[0])["resume_from_checkpoint"] == str(j0.dir / "checkpoint-2")
     assert "resume_from_checkpoint" not in _kv(again.calls[1]) and not (j1.dir / "stale.txt").exists()
     assert all(compare.read_result(j.dir)["steps"] == 3 for j in (j0, j1, j2))
@@ -225,6 +226,7 @@ def test_failed_warm_start_starts_no_run(tmp_path):
     calls = []
     out = compare.execute(p, launcher=broken, progress=False)
     assert len(calls) == 1 and calls[0][1] == "sft" and [n for n, _ in out["failed"]] == ["start", "runs"]
+    assert out["skipped"] == 0 and out["ran"] == []
 
 
 # ---- the report ------------------------------------------------------------------------------------------------------
