@@ -15,7 +15,8 @@ What is checked (each error names the entry and, for a name, suggests the closes
 * no ``algorithm.agentcredit_*`` key outside :data:`BLOCKS`, and no ``algorithm`` mapping whose name is a near miss of
   an agentcredit estimator (``+algorithm.gigpoo.step_weight=0.5``);
 * the blocks ``agentcredit_distill`` (keys, schedule name, scheduler parameters, loss parameters),
-  ``agentcredit_ccm``, ``agentcredit_hindsight``, ``agentcredit_archive``, ``agentcredit_max_env_error_rate``, and
+  ``agentcredit_ccm``, ``agentcredit_hindsight``, ``agentcredit_archive``, ``agentcredit_sprpo`` (the term's
+  parameters), ``agentcredit_max_env_error_rate``, and
   the Guided-OPD requirements (:func:`agentcredit.verl.guided.check_config`);
 * with ``distillation.enabled``, the teacher's resource pool ``distillation.n_gpus_per_node`` / ``nnodes`` (verl's own
   check runs in the trainer, after Ray has started).
@@ -43,11 +44,13 @@ from .hindsight import same_layout
 from .hooks import MAX_ENV_ERROR_RATE_KEY
 from .loop_common import CONFIG_KEY as DISTILL_KEY
 from .loop_common import distill_block
+from .sprpo import CONFIG_KEY as SPRPO_KEY
+from .sprpo import sprpo_params
 
 __all__ = ["BLOCKS", "check_config", "wrap_validate_config"]
 
 #: agentcredit's own ``algorithm.*`` entries
-BLOCKS = (DISTILL_KEY, CCM_KEY, HINDSIGHT_KEY, ARCHIVE_KEY, MAX_ENV_ERROR_RATE_KEY)
+BLOCKS = (DISTILL_KEY, CCM_KEY, HINDSIGHT_KEY, ARCHIVE_KEY, MAX_ENV_ERROR_RATE_KEY, SPRPO_KEY)
 
 
 def _suggest(name: str, choices: Iterable[str]) -> str:
@@ -119,6 +122,7 @@ def _check_blocks(config: Any, algorithm: Any) -> None:
     ccm_params(algorithm)
     same_layout(config)
     archive_path(algorithm)
+    sprpo_params(algorithm)
     limit = algorithm_entry(algorithm, MAX_ENV_ERROR_RATE_KEY)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
                               or not 0.0 <= float(limit) <= 1.0):

@@ -127,20 +127,29 @@ def test_sokoban_graphhca_with_ccm_memory_context_and_distillation(workdir):
 
 
 def test_mvpo_checkpoint_and_resume_restore_kappa_state(workdir):
+    """Also the sprpo term (``+algorithm.agentcredit_sprpo``): the actor's training forward is perturbed (a measured
+    sensitivity > 0, while the rollout/trainer log-prob check of ``_check_step`` stays clean), and the controller's
+    sigma and step survive the checkpoint."""
     import torch
 
+    from agentcredit.verl import sprpo
     from agentcredit.verl.hooks import STATE_FILE
 
-    base = ["algorithm.adv_estimator=mvpo", "trainer.save_freq=1", f"trainer.default_local_dir={workdir / 'ckpt'}"]
+    base = ["algorithm.adv_estimator=mvpo", "trainer.save_freq=1", f"trainer.default_local_dir={workdir / 'ckpt'}",
+            "+algorithm.agentcredit_sprpo={sigma: 0.2, kl_max: 10.0}"]
     first, _ = _run("sokoban_gigpo", workdir / "a", steps=1, overrides=base)
     _check_step(first[1])
     saved = torch.load(workdir / "ckpt" / "global_step_1" / STATE_FILE, weights_only=False)
     assert saved["mvpo"]["batches"] == 1 and math.isfinite(saved["mvpo"]["kappa"])
+    assert first[1]["agentcredit_sprpo/sigma"] == pytest.approx(0.2) and first[1]["agentcredit_sprpo/sensitivity"] > 0
+    term = torch.load(workdir / "ckpt" / "global_step_1" / sprpo.STATE_FILE, weights_only=True)
+    assert term["term"] == "sprpo" and term["state"]["step"] == 1
 
     second, log = _run("sokoban_gigpo", workdir / "b", steps=2, overrides=base + ["trainer.resume_mode=auto"])
     assert sorted(second) == [2]  # resumed after step 1
-    assert "restored the state of ['mvpo']" in log
+    assert "restored the state of ['mvpo']" in log and "restored the sprpo controller" in log
     _check_step(second[2])
+    assert second[2]["agentcredit_sprpo/sigma"] == pytest.approx(term["state"]["sigma"], rel=1e-3)
     resumed = torch.load(workdir / "ckpt" / "global_step_2" / STATE_FILE, weights_only=False)
     assert resumed["mvpo"]["batches"] == 2  # 1 restored + 1 new: without the restore it would be 1
 
