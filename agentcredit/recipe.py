@@ -113,6 +113,8 @@ class AgentCreditConfig:
     system: str | None = None
     credit: str = "grpo"
     credit_params: dict[str, Any] = field(default_factory=dict)
+    #: none | batch_rms | batch_std (credit_plugins.scaling); null: credit_plugins.scaling.DEFAULT_ADV_SCALE
+    adv_scale: str | None = None
     schedule: str | None = None
     schedule_params: dict[str, Any] = field(default_factory=dict)
     teacher: str | None = None  # a model path / hub id / built-in name, or "ema" (an EMA of the student, LSD)
@@ -498,6 +500,12 @@ def _agentcredit(block: Any, model_args: dict[str, Any], build_env: bool) -> Age
         registry.get(ac.credit).make_params(**ac.credit_params)
     except (ValueError, TypeError) as e:
         raise RecipeError(f"agentcredit.credit_params: {e}") from e
+    try:
+        from credit_plugins.scaling import check_adv_scale
+
+        ac.adv_scale = check_adv_scale(ac.adv_scale, where="agentcredit.adv_scale")
+    except ValueError as e:
+        raise RecipeError(str(e)) from e
     if ac.schedule is not None:
         schedulers = registry.available("schedulers")
         if ac.schedule not in schedulers:

@@ -303,8 +303,8 @@ def _run(recipe: Recipe, config: Any, plan: dict[str, Any], steps: int, eval: bo
     model, trainable, total = policy.adapt_model(model, recipe)
     print(f"agentcredit train: {recipe.path} | model {recipe.model_args['model_name_or_path']} ({model_path}) | "
           f"{trainable:,} of {total:,} parameters trainable | env {ac.env} {ac.env_options} | bridge {ac.bridge} | "
-          f"credit {ac.credit} {ac.credit_params} | {steps} steps x {ac.groups_per_step} groups x "
-          f"{ac.episodes_per_group} episodes", flush=True)
+          f"credit {ac.credit} {ac.credit_params} adv_scale {ac.adv_scale} | {steps} steps x "
+          f"{ac.groups_per_step} groups x {ac.episodes_per_group} episodes", flush=True)
     print(f"agentcredit train: precision {recipe.precision}", flush=True)
 
     # environment bridge
@@ -345,7 +345,7 @@ def _run(recipe: Recipe, config: Any, plan: dict[str, Any], steps: int, eval: bo
     if ac.schedule is not None:
         distill = {"schedule_params": dict(ac.schedule_params), "teacher": ac.teacher}
     trainer_cls = make_trainer(grpo_trainer(), credit=ac.credit, schedule=ac.schedule, **distill,
-                               terms=dict(ac.terms) or None, **ac.credit_params)
+                               terms=dict(ac.terms) or None, adv_scale=ac.adv_scale, **ac.credit_params)
     ccm = getattr(bridge_kwargs.get("rollout_func"), "ccm_distill", None)
     if ccm is not None and ccm[0] > 0:  # rollout: memory (CCM): privileged full-history distillation
         from .trl.ccm import with_ccm
@@ -387,7 +387,7 @@ def _run(recipe: Recipe, config: Any, plan: dict[str, Any], steps: int, eval: bo
                            {**info, "status": status, "steps": done, "warm_start": start})
     summary = {
         "recipe": str(recipe.path), "overrides": list(recipe.overrides), "credit": ac.credit,
-        "credit_params": dict(ac.credit_params), "schedule": ac.schedule,
+        "credit_params": dict(ac.credit_params), "adv_scale": ac.adv_scale, "schedule": ac.schedule,
         "schedule_params": dict(ac.schedule_params), "teacher": ac.teacher, "terms": dict(ac.terms), "env": ac.env, "env_options": dict(ac.env_options),
         "bridge": ac.bridge, "model": recipe.model_args["model_name_or_path"],
         "steps": done, "max_steps": steps, "wall_seconds": round(wall, 2),

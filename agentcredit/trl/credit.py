@@ -44,12 +44,17 @@ Where the steps come from (the first that applies)
    = the prompt. With ``credit="grpo", eps=1e-4`` this reproduces stock GRPO (``scale_rewards="group"``) exactly.
 
 TRL's ``scale_rewards`` and ``multi_objective_aggregation`` no longer shape the advantages (the estimator's own
-normalisation does); a non-default value logs a warning. Unscorable rows (every reward function returned None) are
-left out of the table and get advantage 0, as in TRL. Stateful estimators (MVPO) keep one instance per trainer;
+normalisation does); a non-default value logs a warning. ``adv_scale`` (:mod:`credit_plugins.scaling`: ``none``,
+the default :data:`~credit_plugins.scaling.DEFAULT_ADV_SCALE`; ``batch_rms``; ``batch_std``) then divides the
+estimator's output by one statistic of the global batch (over the step rows of ``[S]`` advantages, over the rows'
+model tokens of ``[S, T]`` ones), before the scatter and before :class:`~agentcredit.trl.distill.DistillMixin`
+combines it with the distillation term. Unscorable rows (every reward function returned None) are left out of the
+table and get advantage 0, as in TRL. Stateful estimators (MVPO) keep one instance per trainer;
 its ``state_dict()`` is saved in each checkpoint (``agentcredit_estimator.pt``) and restored on resume.
-Metrics added to TRL's logs: ``agentcredit/{success,return,turns,valid,adv_mean,adv_std,adv_abs_max,steps}``,
-the credit diagnostics ``agentcredit/diag_*`` (:mod:`credit_plugins.diagnostics`), a
-stateful estimator's ``stats``, the rollout's ``metrics()`` as ``agentcredit/rollout/*`` (seconds, search cost) and,
+Metrics added to TRL's logs: ``agentcredit/{success,return,turns,valid,adv_mean,adv_std,adv_abs_max,steps}``
+(``adv_*``: the estimator's output, before ``adv_scale``), ``agentcredit/adv_scale_factor`` (what ``adv_scale``
+multiplied them by; 1 with ``none``), the credit diagnostics ``agentcredit/diag_*`` (:mod:`credit_plugins.diagnostics`),
+a stateful estimator's ``stats``, the rollout's ``metrics()`` as ``agentcredit/rollout/*`` (seconds, search cost) and,
 for the hindsight estimators, ``agentcredit/hindsight_*`` (taught fraction, seconds).
 """
 
@@ -69,6 +74,7 @@ from credit_plugins.diagnostics import NoSignalWarning, credit_diagnostics
 from credit_plugins.estimators.mix import reads_extra
 from credit_plugins.estimators.mvpo import default_signature
 from credit_plugins.hashing import stable_hash
+from credit_plugins.scaling import DEFAULT_ADV_SCALE, adv_scale_factor, check_adv_scale
 from credit_plugins.steptable import StepTable, list_block
 
 from ..state import load_state
@@ -217,15 +223,18 @@ def _row_extras(per_row: Sequence[dict], rank_offsets: Sequence[int]) -> dict[st
 class CreditMixin:
     """Put before ``GRPOTrainer`` in the bases: ``class T(CreditMixin, GRPOTrainer)``; see the module doc.
 
-    Class attributes (or :func:`make_trainer` arguments): ``credit`` (a registered estimator name) and
-    ``credit_params`` (its parameters, validated when the trainer is built).
+    Class attributes (or :func:`make_trainer` arguments): ``credit`` (a registered estimator name),
+    ``credit_params`` (its parameters, validated when the trainer is built) and ``adv_scale``
+    (:data:`credit_plugins.scaling.ADV_SCALES`; also a keyword of ``__init__``, which wins; None: the default).
     """
 
     credit: str = "grpo"
     credit_params: dict[str, Any] = {}
+    adv_scale: str = DEFAULT_ADV_SCALE
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, adv_scale: str | None = None, **kwargs):
         check_trl(next(c for c in type(self).__mro__ if c.__name__ == "GRPOTrainer"))
+        self.adv_scale = check_adv_scale(self.adv_scale if adv_scale is None else adv_scale)
         self._agentcredit = registry.get(self.credit).create(**dict(self.credit_params))
         # estimators whose step credit comes from revisited states warn once when it stays silent
         self._agentcredit_silence = (NoSignalWarning(self.credit) if "state" in registry.get(self.credit).requires
@@ -234,6 +243,11 @@ class CreditMixin:
         self._agentcredit_texts = registry.get(self.credit).reads_state_text(**dict(self.credit_params))
         self._agentcredit_ctx: dict[str, Any] | None = None
         super().__init__(*args, **kwargs)
+        if self.adv_scale != "none" and registry.get(self.credit).output == "token" and \
+                self.accelerator.num_processes > 1:
+            raise ValueError(f"adv_scale={self.adv_scale!r} with the per-token estimator {self.credit!r} needs one "
+                             f"process (its statistic runs over the batch's tokens, which each rank holds apart); run "
+                             f"without torchrun/accelerate launch or use adv_scale='none'")
         if getattr(self, "scale_rewards", "group") != "group" or \
                 getattr(self, "multi_objective_aggregation", "sum_then_normalize") != "sum_then_normalize":
             logger.warning("agentcredit: scale_rewards=%r / multi_objective_aggregation=%r do not apply: the %r "
@@ -259,9 +273,11 @@ class CreditMixin:
         if rows:
             steps = self._agentcredit_table(output, rows, ctx["inputs"], mode)
             adv = self._agentcredit(steps).to(torch.float32)
-            advantages = self._agentcredit_scatter(adv, rows, self.accelerator.process_index, mask, turn_ids,
-                                                   self.credit)
-            self._agentcredit_log(mode, steps, adv, [r.valid for r in rows], time.perf_counter() - started)
+            rank = self.accelerator.process_index
+            advantages = self._agentcredit_scatter(adv, rows, rank, mask, turn_ids, self.credit)
+            factor = self._agentcredit_scale_factor(adv, rows, rank, mask, self.adv_scale)
+            advantages = advantages * factor  # adv_scale: after the estimator, before DistillMixin's combination
+            self._agentcredit_log(mode, steps, adv, [r.valid for r in rows], time.perf_counter() - started, factor)
         output["advantages"] = advantages.to(output["completion_ids"].device)
         return output
 
@@ -351,6 +367,19 @@ class CreditMixin:
             advantages = torch.where(in_turn, table.gather(1, turn_ids.clamp(min=0)), advantages)
         return advantages
 
+    @staticmethod
+    def _agentcredit_scale_factor(adv: torch.Tensor, rows: Sequence[StepRow], rank: int, mask: torch.Tensor,
+                                  adv_scale: str) -> float:
+        """The ``adv_scale`` factor (:func:`credit_plugins.scaling.adv_scale_factor`) of the estimator's output
+        ``adv``: over every rank's step rows for ``[S]``, over the rows' model tokens (``mask``) for ``[S, T]``."""
+        if adv.dim() != 2:
+            return adv_scale_factor(adv, adv_scale)
+        if any(r.rank != rank for r in rows):
+            raise ValueError(f"adv_scale={adv_scale!r}: per-token advantages of several processes' rows; run in one "
+                             f"process or use adv_scale='none'")
+        local_row = torch.tensor([r.row for r in rows], dtype=torch.long)
+        return adv_scale_factor(adv, adv_scale, mask[local_row].bool())
+
     def _agentcredit_hindsight(self, output, steps: StepTable, local_row: torch.Tensor, local_inputs, mode: str,
                                valid) -> StepTable:
         """``steps`` with the token-level hindsight extras (:mod:`agentcredit.trl.privileged`) of UniOPSD/AlignOPSD."""
@@ -379,7 +408,8 @@ class CreditMixin:
 
         return [r for chunk in gather_object([rows]) for r in chunk]  # one list per rank, in rank order
 
-    def _agentcredit_log(self, mode: str, steps: StepTable, adv: torch.Tensor, valid, seconds: float) -> None:
+    def _agentcredit_log(self, mode: str, steps: StepTable, adv: torch.Tensor, valid, seconds: float,
+                         factor: float = 1.0) -> None:
         m = self._metrics[mode]
         m["agentcredit/success"].append(steps.traj_success.float().mean().item())
         m["agentcredit/return"].append(steps.returns.float().mean().item())
@@ -389,6 +419,7 @@ class CreditMixin:
         m["agentcredit/adv_mean"].append(adv.mean().item())
         m["agentcredit/adv_std"].append(adv.std().item() if adv.numel() > 1 else 0.0)
         m["agentcredit/adv_abs_max"].append(adv.abs().max().item())
+        m["agentcredit/adv_scale_factor"].append(float(factor))
         m["agentcredit/estimator_seconds"].append(seconds)
         diag = credit_diagnostics(steps, adv)  # is there anything for step credit to work with?
         for k, v in diag.items():
@@ -436,7 +467,8 @@ def term_mixin(name: str) -> type:
 
 def make_trainer(base: type | None = None, credit: str = "grpo", schedule: str | None = None,
                  name: str | None = None, *, schedule_params: dict[str, Any] | None = None, teacher: Any = None,
-                 terms: dict[str, dict[str, Any] | None] | None = None, **credit_params: Any) -> type:
+                 terms: dict[str, dict[str, Any] | None] | None = None, adv_scale: str | None = None,
+                 **credit_params: Any) -> type:
     """A subclass of ``base`` (default ``trl.GRPOTrainer``) whose advantages come from the estimator ``credit``.
 
     ``credit_params`` are the estimator's parameters (``agentcredit describe NAME``); they are validated here, so a
@@ -445,14 +477,16 @@ def make_trainer(base: type | None = None, credit: str = "grpo", schedule: str |
     adds :class:`agentcredit.trl.distill.DistillMixin` in front, with ``teacher`` (a model path / hub id, or ``"ema"``;
     or pass ``teacher_model=`` to the trainer). ``terms`` maps registered auxiliary terms (``agentcredit list terms``)
     to their parameters (``None``: the defaults); each adds its mixin (:func:`term_mixin`) in front, which reads its
-    parameters from the class attribute ``terms``.
+    parameters from the class attribute ``terms``. ``adv_scale`` (:data:`credit_plugins.scaling.ADV_SCALES`; None:
+    :data:`~credit_plugins.scaling.DEFAULT_ADV_SCALE`) divides the estimator's advantages by a batch statistic.
     """
     if base is None:
         base = grpo_trainer()
     check_trl(base)
     registry.get(credit).make_params(**credit_params)
     mixins: list[type] = [CreditMixin]
-    attrs: dict[str, Any] = {"credit": credit, "credit_params": dict(credit_params), "__module__": __name__}
+    attrs: dict[str, Any] = {"credit": credit, "credit_params": dict(credit_params), "__module__": __name__,
+                             "adv_scale": check_adv_scale(adv_scale)}
     if schedule is not None:
         registry.get(schedule, kind="schedulers").make_params(**dict(schedule_params or {}))
         from .distill import DistillMixin

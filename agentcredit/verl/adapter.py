@@ -4,6 +4,12 @@
 those arguments. The trainer hooks (:mod:`agentcredit.verl.hooks`) publish it for the duration of the call in
 the context variable :data:`CURRENT`, aligned with the batch rows. If a future verl forwards ``non_tensor_batch``
 (verl-project/verl#7473) it is read from there.
+
+``algorithm.agentcredit_adv_scale`` (:data:`ADV_SCALE_KEY`; ``none``, ``batch_rms``, ``batch_std``, unset: the
+default of :mod:`credit_plugins.scaling`) divides the estimator's advantages by one statistic over the batch's
+scored decisions (non-padding rows; their response tokens for per-token estimators) before they reach verl's loss,
+and before CCM's distillation term is added; ``agentcredit/adv_scale_factor`` logs the factor, ``agentcredit/adv_*``
+the advantages before it.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import torch
 
 from credit_plugins.diagnostics import NoSignalWarning, credit_diagnostics
 from credit_plugins.estimator import Estimator
+from credit_plugins.scaling import adv_scale_factor, check_adv_scale
+from ._compat import algorithm_entry
 from .contract import RowMeta, build_step_table, missing_fields_message
 from .hindsight import COLUMNS as HINDSIGHT_COLUMNS
 
@@ -80,6 +88,15 @@ def estimator_params(config: Any, name: str) -> dict[str, Any]:
     return dict(sub)
 
 
+#: ``algorithm.<this key>``: the advantage scale (:mod:`credit_plugins.scaling`) applied after the estimator
+ADV_SCALE_KEY = "agentcredit_adv_scale"
+
+
+def adv_scale_mode(config: Any) -> str:
+    """``algorithm.agentcredit_adv_scale`` checked (unset or null: the default); a ``ValueError`` naming it."""
+    return check_adv_scale(algorithm_entry(config, ADV_SCALE_KEY), where=f"algorithm.{ADV_SCALE_KEY}")
+
+
 #: why a hindsight estimator's batch has no hindsight columns (they are computed by the v1 trainer wrap only)
 HINDSIGHT_NOT_SCORED = (
     "agentcredit estimator {name!r} credits tokens by the policy's own log-probs under a hindsight prompt (a successful "
@@ -111,6 +128,7 @@ def make_verl_estimator(estimator: Estimator):
                 config: Any = None, non_tensor_batch: Mapping[str, np.ndarray] | None = None, **_: Any):
         params = estimator_params(config, estimator.name)
         p = estimator.make_params(**params)  # fail on a typo before touching the batch
+        scale_mode = adv_scale_mode(config)
         hindsight = "hindsight" in estimator.sources()
         meta = CURRENT.get()
         if meta is None and non_tensor_batch is not None:
@@ -151,12 +169,14 @@ def make_verl_estimator(estimator: Estimator):
         else:
             weight, values = torch.ones_like(per_step, dtype=torch.float32), per_step.to(torch.float32)
         total = float(weight.sum())
+        factor = adv_scale_factor(values, scale_mode, weight > 0 if per_step.ndim == 2 else None)
         meta.stats.update({
             "agentcredit/steps": float(steps.n_steps),
             "agentcredit/trajectories": float(steps.n_traj),
             "agentcredit/padding_rows": float(meta.batch_padding.sum()),
             "agentcredit/adv_mean": float((values * weight).sum()) / total if total else 0.0,
             "agentcredit/adv_abs_mean": float((values.abs() * weight).sum()) / total if total else 0.0,
+            "agentcredit/adv_scale_factor": factor,
         })
         diag = credit_diagnostics(steps, per_step)  # is there anything for step credit to work with?
         meta.stats.update({f"agentcredit/diag_{k}": v for k, v in diag.items()})
@@ -165,7 +185,7 @@ def make_verl_estimator(estimator: Estimator):
         # a stateful estimator's statistics (MVPO's kappa and route fractions, SIPO's a2, ...), as TRL logs them
         meta.stats.update({f"agentcredit/{k}": float(v) for k, v in stats.items()
                            if isinstance(v, (int, float)) and v == v})
-        scores = scores.to(response_mask.device)
+        scores = (scores * factor).to(response_mask.device)  # adv_scale: the estimator's advantages only, not CCM's
         adv = (scores if scores.ndim == 2 else scores.unsqueeze(-1)) * response_mask
         if meta.token_bonus is not None:  # CCM's distillation term (agentcredit.verl.ccm), on the response tokens
             adv = adv + _padded(meta.token_bonus, response_mask).to(device=adv.device, dtype=adv.dtype) * response_mask

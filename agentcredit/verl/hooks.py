@@ -9,7 +9,8 @@
   with ``algorithm.agentcredit_archive`` set it appends the step's rollouts to that ROSS archive
   (:mod:`agentcredit.verl.archive`); rows of CCM's memory context add ``agentcredit/ccm_input_saving``
   (:func:`loop_stats`), and ``algorithm.agentcredit_ccm`` adds CCM's distillation term to their action tokens'
-  advantages (:mod:`agentcredit.verl.ccm`).
+  advantages (:mod:`agentcredit.verl.ccm`). The archive, CCM and ``algorithm.agentcredit_adv_scale`` with an
+  estimator that is not agentcredit's are an error: they act in this step only.
 * v1 ``_save_checkpoint`` / ``_load_checkpoint``: the state of stateful estimators (MVPO's kappa schedule, ...)
   is saved as ``agentcredit_estimators.pt`` in each ``global_step_N`` folder and restored on resume (the folder
   verl resumed from; new checkpoints always go under ``default_local_dir``, also after ``resume_mode=resume_path``).
@@ -31,7 +32,7 @@ import numpy as np
 from credit_plugins import registry
 
 from . import adapter
-from ._compat import check_signature, checkpoint_wraps, install_post_import_hooks, wraps_once
+from ._compat import algorithm_entry, check_signature, checkpoint_wraps, install_post_import_hooks, wraps_once
 from .adapter import publish
 from .contract import ENV_ERROR, ENV_ERROR_DETAIL, TRAJ, RowMeta
 from .archive import archive_path, write_archive
@@ -70,7 +71,8 @@ def wrap_v1_compute_advantage(orig):
     def _compute_advantage(self, batch, metrics):
         if _name(self.config.algorithm.adv_estimator) not in OURS:
             asked = [k for k, on in (("agentcredit_archive", archive_path(self.config.algorithm) is not None),
-                                     ("agentcredit_ccm", ccm_params(self.config.algorithm) is not None)) if on]
+                                     ("agentcredit_ccm", ccm_params(self.config.algorithm) is not None),
+                                     (adapter.ADV_SCALE_KEY, adv_scale_asked(self.config.algorithm))) if on]
             if asked:
                 raise ValueError(f"algorithm.{asked[0]} acts in agentcredit's advantage step, which runs only for an "
                                  f"agentcredit estimator; algorithm.adv_estimator="
@@ -100,6 +102,11 @@ def wrap_v1_compute_advantage(orig):
         return out
 
     return _compute_advantage
+
+
+def adv_scale_asked(algorithm: Any) -> bool:
+    """Whether ``algorithm.agentcredit_adv_scale`` is set to a scale other than ``none`` (checked)."""
+    return algorithm_entry(algorithm, adapter.ADV_SCALE_KEY) is not None and adapter.adv_scale_mode(algorithm) != "none"
 
 
 def loop_stats(meta: RowMeta) -> dict[str, float]:

@@ -12,12 +12,14 @@ What is checked (each error names the entry and, for a name, suggests the closes
 * ``algorithm.adv_estimator`` is in verl's advantage-estimator registry (verl's own and agentcredit's);
 * the parameter block ``algorithm.<estimator>`` of every agentcredit estimator present (keys and values, as the
   estimator checks them at its first call);
-* no ``algorithm.agentcredit_*`` key outside :data:`BLOCKS`, and no ``algorithm`` mapping whose name is a near miss of
-  an agentcredit estimator (``+algorithm.gigpoo.step_weight=0.5``);
+* no ``algorithm.agentcredit_*`` key outside :data:`BLOCKS`, no block without its prefix
+  (``+algorithm.adv_scale=batch_rms``), and no ``algorithm`` mapping whose name is a near miss of an agentcredit
+  estimator (``+algorithm.gigpoo.step_weight=0.5``);
 * the blocks ``agentcredit_distill`` (keys, schedule name, scheduler parameters, loss parameters),
   ``agentcredit_ccm``, ``agentcredit_hindsight``, ``agentcredit_archive``, ``agentcredit_sprpo`` (the term's
-  parameters), ``agentcredit_max_env_error_rate``, and
-  the Guided-OPD requirements (:func:`agentcredit.verl.guided.check_config`);
+  parameters), ``agentcredit_max_env_error_rate``,
+  ``agentcredit_adv_scale`` (a valid scale, and only with an agentcredit estimator), and the Guided-OPD requirements
+  (:func:`agentcredit.verl.guided.check_config`);
 * with ``distillation.enabled``, the teacher's resource pool ``distillation.n_gpus_per_node`` / ``nnodes`` (verl's own
   check runs in the trainer, after Ray has started).
 """
@@ -34,6 +36,7 @@ import distill_plugins
 from credit_plugins import registry
 
 from ._compat import algorithm_entry, wraps_once
+from .adapter import ADV_SCALE_KEY, adv_scale_mode
 from .archive import ARCHIVE_KEY, archive_path
 from .ccm import CONFIG_KEY as CCM_KEY
 from .ccm import ccm_params
@@ -41,7 +44,7 @@ from .distill import loss_params
 from .guided import check_config as check_guided
 from .hindsight import CONFIG_KEY as HINDSIGHT_KEY
 from .hindsight import same_layout
-from .hooks import MAX_ENV_ERROR_RATE_KEY
+from .hooks import MAX_ENV_ERROR_RATE_KEY, adv_scale_asked
 from .loop_common import CONFIG_KEY as DISTILL_KEY
 from .loop_common import distill_block
 from .sprpo import CONFIG_KEY as SPRPO_KEY
@@ -50,7 +53,7 @@ from .sprpo import sprpo_params
 __all__ = ["BLOCKS", "check_config", "wrap_validate_config"]
 
 #: agentcredit's own ``algorithm.*`` entries
-BLOCKS = (DISTILL_KEY, CCM_KEY, HINDSIGHT_KEY, ARCHIVE_KEY, MAX_ENV_ERROR_RATE_KEY, SPRPO_KEY)
+BLOCKS = (DISTILL_KEY, CCM_KEY, HINDSIGHT_KEY, ARCHIVE_KEY, MAX_ENV_ERROR_RATE_KEY, ADV_SCALE_KEY, SPRPO_KEY)
 
 
 def _suggest(name: str, choices: Iterable[str]) -> str:
@@ -96,6 +99,9 @@ def check_config(config: Any, estimators: Mapping[str, Any] | None = None) -> No
                 registry.get(key).make_params(**dict(params or {}))
             except (TypeError, ValueError) as e:
                 raise ValueError(f"agentcredit: algorithm.{key}: {e}") from e
+        elif f"agentcredit_{key}" in BLOCKS and key not in estimators and key not in verl_own:
+            raise ValueError(f"agentcredit: algorithm.{key} is not a verl or agentcredit setting; did you mean "
+                             f"algorithm.agentcredit_{key}? agentcredit's algorithm entries: {list(BLOCKS)}")
         elif key.startswith("agentcredit_") and key not in BLOCKS:
             raise ValueError(f"agentcredit: algorithm.{key} is not an agentcredit setting{_suggest(key, BLOCKS)} "
                              f"agentcredit's algorithm entries: {list(BLOCKS)}")
@@ -103,6 +109,14 @@ def check_config(config: Any, estimators: Mapping[str, Any] | None = None) -> No
               and difflib.get_close_matches(key, sorted(ours), n=1, cutoff=0.8)):
             raise ValueError(f"agentcredit: algorithm.{key} is not an advantage estimator's parameter block"
                              f"{_suggest(key, ours)}")
+    try:
+        scaled = adv_scale_asked(algorithm)
+    except ValueError as e:
+        raise ValueError(f"agentcredit: {e}") from e
+    if scaled and name is not None and not hasattr(estimators.get(name), "agentcredit_estimator"):
+        raise ValueError(f"agentcredit: algorithm.{ADV_SCALE_KEY}={adv_scale_mode(algorithm)!r} scales an agentcredit "
+                         f"estimator's advantages; algorithm.adv_estimator={name!r} is verl's own. Use one of ours "
+                         f"(for GRPO: adv_estimator=gigpo with algorithm.gigpo.step_weight=0) or drop the key")
     _check_blocks(config, algorithm)
 
 

@@ -59,10 +59,11 @@ def _recording(cls):
 
 # ---- advantage mode --------------------------------------------------------------------------------------------
 def test_fixed_mix_advantage_is_w_rl_a_rl_plus_w_opd_teacher_log_ratio(tmp_path, teacher_dir):
+    """With adv_scale=batch_rms: A_RL reaches the combination already scaled (rms 1 over the rows), δ unscaled."""
     from transformers import AutoModelForCausalLM
 
     cls = _recording(make_trainer(credit="grpo", schedule="fixed", schedule_params={"w_opd": 0.5, "w_rl": 2.0},
-                                  teacher=teacher_dir))
+                                  teacher=teacher_dir, adv_scale="batch_rms"))
     trainer = train_plain(cls, str(tmp_path), steps=2, bf16=False)  # fp32 throughout: the check below is exact
     assert len(trainer.rounds) == 2
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32)
@@ -70,6 +71,8 @@ def test_fixed_mix_advantage_is_w_rl_a_rl_plus_w_opd_teacher_log_ratio(tmp_path,
         m = r["mask"].float()
         expected = (2.0 * r["adv_rl"] + 0.5 * (r["lp_t"] - r["lp_old"])) * m
         torch.testing.assert_close(r["adv"], expected, rtol=0, atol=1e-6)
+        per_row = torch.stack([row[keep][0] for row, keep in zip(r["adv_rl"], r["mask"])]).double()
+        assert per_row.square().mean().sqrt().item() == pytest.approx(1.0, rel=1e-4)
         # the teacher scored exactly the sampled tokens, at the trainer's temperature
         with torch.no_grad():
             logits = teacher(input_ids=r["ids"], attention_mask=r["att"]).logits[:, -r["T"] - 1:-1]
@@ -77,6 +80,8 @@ def test_fixed_mix_advantage_is_w_rl_a_rl_plus_w_opd_teacher_log_ratio(tmp_path,
         torch.testing.assert_close(r["lp_t"] * m, lp * m, rtol=1e-4, atol=1e-4)
         assert float(((r["lp_t"] - r["lp_old"]).abs() * m).sum()) > 0  # the teacher really differs
     assert _log(trainer, "agentcredit/w_opd") == [0.5, 0.5]
+    factors = _log(trainer, "agentcredit/adv_scale_factor")
+    assert len(factors) == 2 and all(f > 0 and f != pytest.approx(1.0) for f in factors)
     gap = _log(trainer, "agentcredit/gap_mean")
     assert len(gap) == 2 and all(g < 0 for g in gap)  # the student's own samples are likelier under the student
 

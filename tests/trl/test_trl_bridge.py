@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -47,6 +48,29 @@ def test_make_trainer_validates_before_any_model_is_loaded():
         make_trainer(trl.GRPOTrainer, credit="nope")
     with pytest.raises(ValueError, match="schedul"):
         make_trainer(trl.GRPOTrainer, credit="grpo", schedule="tide-that-does-not-exist")
+    assert cls.adv_scale == credit_plugins.DEFAULT_ADV_SCALE
+    assert make_trainer(trl.GRPOTrainer, credit="crbc", adv_scale="batch_std").adv_scale == "batch_std"
+    with pytest.raises(ValueError, match=r"adv_scale='rms' is not an advantage scale; valid: none, batch_rms"):
+        make_trainer(trl.GRPOTrainer, credit="gigpo", adv_scale="rms")
+
+
+def test_adv_scale_factor_runs_over_step_rows_or_the_rows_model_tokens():
+    from credit_plugins.scaling import EPS
+
+    from agentcredit.trl.credit import StepRow
+
+    rows = [StepRow(row=i, turn=0, traj=i, t=0, state=0, action=0, reward=0.0, success=False, truncated=False)
+            for i in (0, 2)]
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]])  # row 1 has no step: its tokens are not decisions
+    step = CreditMixin._agentcredit_scale_factor(torch.tensor([3.0, -4.0]), rows, 0, mask, "batch_rms")
+    assert step == pytest.approx(1 / (math.sqrt(12.5) + EPS))
+    token = torch.tensor([[1.0, 1.0, 99.0], [2.0, 99.0, 99.0]])  # decisions 1, 1, 2: mean A^2 = 2
+    assert CreditMixin._agentcredit_scale_factor(token, rows, 0, mask, "batch_rms") == pytest.approx(
+        1 / (math.sqrt(2) + EPS))
+    assert CreditMixin._agentcredit_scale_factor(token, rows, 0, mask, "none") == 1.0
+    other_rank = [rows[0], rows[1].placed(1, 3, 2)]
+    with pytest.raises(ValueError, match="per-token advantages of several processes' rows"):
+        CreditMixin._agentcredit_scale_factor(token, other_rank, 0, mask, "batch_rms")
 
 
 def test_grpo_through_the_mixin_equals_stock_grpo_in_one_process(tmp_path):
@@ -128,6 +152,7 @@ def _step_reward(completions, agentcredit_reward, **kwargs):
 
 
 def test_turn_rows_get_the_estimators_step_advantage_on_their_tokens(tmp_path):
+    """... scaled by adv_scale=batch_rms: the advantages the loss sees have rms 1 over the step rows."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -140,7 +165,8 @@ def test_turn_rows_get_the_estimators_step_advantage_on_their_tokens(tmp_path):
     trainer = Recording(model=AutoModelForCausalLM.from_pretrained(path), args=args,
                         processing_class=AutoTokenizer.from_pretrained(path), reward_funcs=[_step_reward],
                         rollout_func=_scripted_turn_rollout,
-                        train_dataset=Dataset.from_dict({"prompt": [f"seed {i}" for i in range(8)]}))
+                        train_dataset=Dataset.from_dict({"prompt": [f"seed {i}" for i in range(8)]}),
+                        adv_scale="batch_rms")
     trainer.train()
     seen = trainer.seen
     rows = [r for r in seen["inputs"] if r["agentcredit_traj"] >= 0]
@@ -149,21 +175,28 @@ def test_turn_rows_get_the_estimators_step_advantage_on_their_tokens(tmp_path):
         state=[r["agentcredit_state"] for r in rows], action=[r["agentcredit_action"] for r in rows],
         reward=[r["agentcredit_reward"] for r in rows], success=[r["agentcredit_success"] for r in rows],
         truncated=[r["agentcredit_truncated"] for r in rows])
-    expected = credit_plugins.get("gigpo")(table, gamma=0.5)
+    raw = credit_plugins.get("gigpo")(table, gamma=0.5)
+    factor = 1 / (raw.double().square().mean().sqrt().item() + 1e-6)
+    expected = raw * factor
     adv, mask = seen["advantages"], seen["mask"].bool()
     real = [i for i, r in enumerate(seen["inputs"]) if r["agentcredit_traj"] >= 0]
     for k, i in enumerate(real):
         tokens = adv[i][mask[i]]
         assert tokens.numel() > 0 and torch.allclose(tokens, expected[k].expand_as(tokens))
         assert torch.all(adv[i][~mask[i]] == 0)
+    per_step = torch.stack([adv[i][mask[i]][0] for i in real]).double()
+    assert per_step.square().mean().sqrt().item() == pytest.approx(1.0, rel=1e-5)
+    assert abs(factor - 1) > 0.1  # the scale did change the estimator's advantages
     padding = [i for i, r in enumerate(seen["inputs"]) if r["agentcredit_traj"] < 0]
     assert padding and all(torch.all(adv[i] == 0) for i in padding)
     logged = [h for h in trainer.state.log_history if "agentcredit/success" in h][0]
     assert logged["agentcredit/success"] == pytest.approx(0.5) and logged["agentcredit/turns"] == pytest.approx(1.5)
     assert logged["agentcredit/valid"] == pytest.approx(4 / 6)
+    assert logged["agentcredit/adv_scale_factor"] == pytest.approx(factor, rel=1e-6)
+    assert logged["agentcredit/adv_abs_max"] == pytest.approx(raw.abs().max().item())  # logged before the scale
     from credit_plugins.diagnostics import credit_diagnostics  # logged every step, from the same table and advantages
 
-    want = credit_diagnostics(table, expected)
+    want = credit_diagnostics(table, raw)
     assert {k: logged[f"agentcredit/diag_{k}"] for k in want} == pytest.approx(want)
 
 

@@ -3,6 +3,7 @@ trainer's _compute_advantage through a real TransferQueue with rows written by v
 post-processing, padding rows from verl's own batch balancing, and Hydra composition."""
 
 import asyncio
+import dataclasses
 import functools
 import os
 import re
@@ -154,6 +155,62 @@ def test_stateful_estimator_statistics_reach_verls_metrics():
         assert "agentcredit/mvpo/kappa" in meta.stats
     finally:
         adapter.INSTANCES.clear()
+
+
+def _scaled_call(name, adv_scale, meta_more=None, **params):
+    """The verl function of estimator ``name`` (or an Estimator record) on :func:`legacy_batch` with
+    ``algorithm.agentcredit_adv_scale``; returns its ``[B, L]`` advantages, the response mask and the step stats."""
+    from agentcredit.verl import adapter
+
+    data = legacy_batch()
+    meta = RowMeta.from_non_tensor_batch(data.non_tensor_batch)
+    for key, value in (meta_more or {}).items():
+        setattr(meta, key, value)
+    fn = adapter.make_verl_estimator(cp.get(name) if isinstance(name, str) else name)
+    config = algo_config(getattr(name, "name", name), **params)
+    config["agentcredit_adv_scale"] = adv_scale
+    with adapter.publish(meta):
+        adv, _ = fn(token_level_rewards=data.batch["token_level_rewards"], response_mask=data.batch["response_mask"],
+                    index=data.non_tensor_batch["uid"], config=config)
+    return adv, data.batch["response_mask"], meta.stats
+
+
+def test_adv_scale_divides_the_estimators_step_advantages_by_their_batch_rms():
+    from credit_plugins.scaling import EPS
+
+    raw = pure("crbc")  # step_weight 5: well above GRPO's scale
+    adv, mask, stats = _scaled_call("crbc", "batch_rms")
+    factor = 1 / (raw.double().square().mean().sqrt().item() + EPS)
+    assert stats["agentcredit/adv_scale_factor"] == pytest.approx(factor) and factor < 0.9
+    assert torch.allclose(adv, (raw * factor)[:, None] * mask, atol=1e-6)
+    assert adv[:, 0].double().square().mean().sqrt().item() == pytest.approx(1.0, rel=1e-5)  # rms 1 over the rows
+    assert stats["agentcredit/adv_abs_mean"] == pytest.approx(raw.abs().mean().item())  # logged before the scale
+    plain, _, plain_stats = _scaled_call("crbc", None)  # unset: the default, none
+    assert torch.allclose(plain[:, 0], raw) and plain_stats["agentcredit/adv_scale_factor"] == 1.0
+    with pytest.raises(ValueError, match=r"algorithm.agentcredit_adv_scale='rms' is not an advantage scale"):
+        _scaled_call("crbc", "rms")
+
+
+def test_adv_scale_of_token_advantages_runs_over_response_tokens_and_leaves_ccm_term_unscaled():
+    from credit_plugins.scaling import EPS
+
+    @dataclasses.dataclass
+    class NoParams:
+        pass
+
+    def token_credit(steps, p):  # [S, L]: 1, 2, 3, 4 along every row's tokens, sign by row
+        return torch.arange(1.0, RESP_LEN + 1).repeat(steps.n_steps, 1) * torch.where(steps.t > 0, 1.0, -1.0)[:, None]
+
+    est = cp.Estimator(name="token_test", fn=token_credit, params=NoParams, paper="test", formula="test",
+                       output="token")
+    bonus = [np.full(RESP_LEN, 100.0)] * len(ROWS)  # CCM's distillation term: added after the scale
+    adv, mask, stats = _scaled_call(est, "batch_std", meta_more={"token_bonus": bonus})
+    raw = torch.arange(1.0, RESP_LEN + 1).repeat(len(ROWS), 1) * torch.tensor(
+        [-1.0 if r[2] == 0 else 1.0 for r in ROWS])[:, None]
+    tokens = raw[mask.bool()].double()  # row 0's last two tokens are not response tokens: not decisions
+    factor = 1 / (tokens.std(unbiased=False).item() + EPS)
+    assert stats["agentcredit/adv_scale_factor"] == pytest.approx(factor)
+    assert torch.allclose(adv - 100.0 * mask, raw * factor * mask, atol=1e-5)
 
 
 def test_batch_without_metadata_says_which_extra_fields_to_set():
@@ -709,7 +766,8 @@ def test_ccm_distillation_needs_a_reference_policy_and_memory_rows(transfer_queu
 
 
 @pytest.mark.parametrize("key,value", [("agentcredit_ccm", {"distill_lambda": 0.01}),
-                                       ("agentcredit_archive", "/tmp/never-written.jsonl")])
+                                       ("agentcredit_archive", "/tmp/never-written.jsonl"),
+                                       ("agentcredit_adv_scale", "batch_rms")])
 def test_ccm_and_archive_with_verls_own_estimator_fail_instead_of_doing_nothing(transfer_queue, key, value):
     from transfer_queue import KVBatchMeta
     from verl.trainer.ppo.v1.trainer_base import PPOTrainer
@@ -765,6 +823,7 @@ def test_v1_compute_advantage_gives_step_level_advantages(transfer_queue):
 
 
 def test_v1_padding_rows_from_verl_batch_balancing_are_dropped(transfer_queue):
+    """... also from ``algorithm.agentcredit_adv_scale``'s statistic (rms 1 over the 6 real rows, not the 8)."""
     from transfer_queue import KVBatchMeta
     from verl.trainer.ppo.padding_utils import upsample_batch_to_divisible_size
 
@@ -772,9 +831,15 @@ def test_v1_padding_rows_from_verl_batch_balancing_are_dropped(transfer_queue):
     batch = KVBatchMeta(partition_id="train", keys=keys, tags=[{"status": "success"}] * len(keys))
     batch = upsample_batch_to_divisible_size(batch, batch_multiple=4, eos_token_id=0)  # 6 -> 8 rows
     assert len(batch.keys) == 8 and batch.tags[-1]["is_padding"]
-    adv, metrics = _run_v1(transfer_queue, batch.keys, batch.tags, _trainer_config(step_weight=0.5))
+    config = _trainer_config(step_weight=0.5)
+    config.algorithm["agentcredit_adv_scale"] = "batch_rms"
+    adv, metrics = _run_v1(transfer_queue, batch.keys, batch.tags, config)
     per_row = torch.stack([a[0] for a in adv])
-    assert torch.allclose(per_row[:6], pure_gigpo(step_weight=0.5), atol=1e-6)
+    raw = pure_gigpo(step_weight=0.5)
+    factor = 1 / (raw.double().square().mean().sqrt().item() + 1e-6)
+    assert torch.allclose(per_row[:6], raw * factor, atol=1e-6)
+    assert per_row[:6].double().square().mean().sqrt().item() == pytest.approx(1.0, rel=1e-5)
+    assert metrics["agentcredit/adv_scale_factor"] == pytest.approx(factor) and abs(factor - 1) > 0.1
     assert torch.all(per_row[6:] == 0) and metrics["agentcredit/padding_rows"] == 2
 
 

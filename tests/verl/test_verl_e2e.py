@@ -158,7 +158,7 @@ def test_sokoban_asct_counterfactual_loop(workdir):
     """ASCT on verl (``sokoban_asct``, the counterfactual loop): each decision's credit is Q(s, a_t) - V(s) from the
     env-side trials, so advantages vary inside a rollout even when every episode fails (GRPO's would be one value
     per rollout), and ``standardise: true`` makes them mean 0 over the batch's decisions (one row each)."""
-    metrics, _ = _run("sokoban_asct", workdir)
+    metrics, _ = _run("sokoban_asct", workdir, overrides=["+algorithm.agentcredit_adv_scale=batch_rms"])
     for step in (1, 2):
         m = metrics[step]
         _check_step(m)

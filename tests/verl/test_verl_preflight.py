@@ -38,6 +38,14 @@ def _check(**algorithm):
     ({"adv_estimator": "grpo", "agentcredit_archive": ""}, r"agentcredit_archive"),
     ({"adv_estimator": "grpo", "agentcredit_max_env_error_rate": 2}, r"agentcredit_max_env_error_rate=2"),
     ({"adv_estimator": "grpo", "agentcredit_distill": {"schedule": "guided", "params": {"p0": 1.0}}}, r"p0=1.0"),
+    ({"adv_estimator": "gigpo", "agentcredit_adv_scale": "rms"},
+     r"algorithm.agentcredit_adv_scale='rms' is not an advantage scale; valid: none, batch_rms, batch_std"),
+    ({"adv_estimator": "gigpo", "agentcredit_adv_scale": 1}, r"agentcredit_adv_scale=1 is not an advantage scale"),
+    ({"adv_estimator": "grpo", "agentcredit_adv_scale": "batch_rms"},  # verl's own grpo: the scale would not run
+     r"agentcredit_adv_scale='batch_rms' scales an agentcredit estimator's .*adv_estimator='grpo' is verl's own"),
+    ({"adv_estimator": "gigpo", "adv_scale": "batch_rms"}, r"algorithm.adv_scale is not .*did you mean "
+                                                           r"algorithm.agentcredit_adv_scale\?"),
+    ({"adv_estimator": "gigpo", "agentcredit_adv_scal": "batch_rms"}, r"did you mean 'agentcredit_adv_scale'"),
 ])
 def test_a_bad_setting_is_refused_with_a_suggestion(algorithm, message):
     with pytest.raises(ValueError, match=message):
@@ -51,6 +59,9 @@ def test_a_bad_setting_is_refused_with_a_suggestion(algorithm, message):
     {"adv_estimator": "graphhca", "agentcredit_ccm": {"distill_lambda": 0.01}, "agentcredit_archive": "/tmp/a.jsonl"},
     {"adv_estimator": "uniopsd", "agentcredit_hindsight": {"same_layout": True},
      "agentcredit_distill": {"schedule": "opw", "params": {"warmup_steps": 4}, "loss": {"beta": 0.5}}},
+    {"adv_estimator": "crbc", "agentcredit_adv_scale": "batch_std"},
+    {"adv_estimator": "grpo", "agentcredit_adv_scale": "none"},
+    {"adv_estimator": "grpo", "agentcredit_adv_scale": None},
 ])
 def test_a_good_setting_passes(algorithm):
     _check(**algorithm)
