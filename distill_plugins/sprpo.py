@@ -36,9 +36,10 @@ __all__ = ["SPrPOParams", "SensitivityController", "decoder_layers", "select_lay
 FORMULA = """\
 perturbed forward (the RL loss's forward only; rollouts and evaluation stay clean):
   h~_l = h_l + sigma_k * rms(h_l) * eps,   eps ~ N(0, I),   rms(h) = sqrt(mean_d h_d^2) per token (no gradient)
-sensitivity on the step's first micro-batch (completion tokens, no gradient; k3 estimate of KL(pi || pi~)):
+sensitivity (k3 estimate of KL(pi || pi~) on the completion tokens, no gradient; TRL: the step's first micro-batch
+against one clean forward; verl: every micro-batch against the actor's old log-probs):
   D_k = mean_t [ r_t - 1 - log r_t ],   r_t = pi~(a_t | s_t) / pi(a_t | s_t)
-trust-region guard:   D_k > kl_max  ->  step k trains on the clean forward
+trust-region guard:   D_k > kl_max  ->  step k trains on the clean forward (verl: step k + 1)
 controller (once per optimizer step, adaptive):
   sigma_{k+1} = clip( sigma_k * clip((target_kl / D_k)^rate, 1/max_change, max_change), sigma_min, sigma_max )
   (D_k = 0: factor max_change)

@@ -69,7 +69,7 @@ def _controller(trainer) -> SensitivityController | None:
     return CONTROLLER["instance"]
 
 
-# ---- driver -----------------------------------------------------------------------------------------------------------
+# ---- driver -------------------------------------------------------------------------------------------------------
 @wraps_once("sprpo", "PPOTrainer._update_actor(self, batch, metrics)", ("self", "batch", "metrics"))
 def wrap_update_actor(orig):
     def _update_actor(self, batch, metrics):

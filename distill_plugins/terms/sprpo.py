@@ -14,5 +14,6 @@ SPEC = TermSpec(
             "sensitivity (KL between clean and perturbed policy) under a trust-region bound, so the policy becomes "
             "robust to hidden-state noise, pruning and quantisation.",
     formula=FORMULA,
-    reads="the policy's decoder layers (forward hooks) and one extra no-grad clean forward per measured step",
-    bridges=("trl",))
+    reads="the policy's decoder layers (forward hooks); TRL: one extra no-grad clean forward per measured step, "
+          "verl: the actor's old log-probs",
+    bridges=("trl", "verl"))
