@@ -113,7 +113,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
         from . import sft
 
         sft.run_sft(recipe, args.out, episodes=args.episodes, steps=args.steps, batch_size=args.batch_size,
-                    learning_rate=args.learning_rate, eval=not args.no_eval)
+                    learning_rate=args.learning_rate, eval=not args.no_eval, player=args.player)
     except (RecipeError, ImportError, FileNotFoundError) as e:
         return _error("sft", str(e))
     except KeyboardInterrupt:
@@ -260,7 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("recipe", help="recipe YAML file (its model, env, prompt format and eval are used)")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the recipe")
     p.add_argument("--out", required=True, help="folder for the teacher checkpoint")
-    p.add_argument("--episodes", type=int, default=256, help="expert episodes (one per training seed)")
+    p.add_argument("--episodes", type=int, default=256, help="episodes (one per training seed)")
+    p.add_argument("--player", choices=("expert", "random"), default="expert", help="who plays them: the env's "
+                   "scripted expert, or uniformly random legal actions (teaches the answer format only)")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps (0: save and evaluate the model as is)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--learning-rate", type=float, default=None, help="default: the recipe's "

@@ -1,5 +1,6 @@
 """The built-in loss schedulers and auxiliary terms, registered through the same ``agentcredit_schedulers`` and
 ``agentcredit_terms`` hooks as any plugin.
+
 Entry point (``pyproject.toml``): ``[project.entry-points.agentcredit] builtin_distill = "distill_plugins.builtin"``.
 """
 

@@ -9,7 +9,7 @@ from agentcredit import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 TRL_RECIPE = str(ROOT / "recipes" / "trl" / "minigrid_gigpo.yaml")
-COMMANDS = ("list", "describe", "train", "sft", "ross", "verl")
+COMMANDS = ("list", "describe", "train", "sft", "ross", "verl", "compare", "robustness")
 
 
 def _error_of(capsys, argv: list[str]) -> str:
@@ -27,6 +27,10 @@ def _error_of(capsys, argv: list[str]) -> str:
     ("train", ["train", "MISSING.yaml", "--bogus"]),
     ("sft", ["sft", "MISSING.yaml", "--out", "OUT"]),
     ("sft", ["sft", "MISSING.yaml", "--out", "OUT", "notakeyvalue"]),
+    ("sft", ["sft", TRL_RECIPE, "--out", "OUT", "--player", "bogus"]),
+    ("compare", ["compare", "MISSING.yaml", "--credit", "grpo", "--seeds", "2"]),
+    ("compare", ["compare", TRL_RECIPE, "--credit", "grpo", "--seeds", "0"]),
+    ("robustness", ["robustness", "MISSING.yaml", "--checkpoint", "X"]),
     ("ross", ["ross", "MISSING.yaml", "--archive", "a.jsonl", "--out", "OUT"]),
     ("verl", ["verl", "MISSING.yaml"]),
     ("verl", ["verl", "MISSING.yaml", "--cpu-smoke"]),
