@@ -164,6 +164,9 @@ def test_sokoban_asct_counterfactual_loop(workdir):
         _check_step(m)
         assert m["agentcredit/diag_step_signal_rows"] > 0 and m["agentcredit/diag_step_variance_share"] > 0
         assert abs(m["agentcredit/adv_mean"]) < 1e-5  # standardised over the decisions (float32 rows)
+        # batch_rms divides by the rms of standardised values: 1 (population std) up to sqrt(n/(n-1)) (sample std)
+        n = m["agentcredit/steps"]
+        assert 1.0 - 1e-3 <= m["agentcredit/adv_scale_factor"] <= math.sqrt(n / (n - 1)) + 1e-3
 
 
 def test_sokoban_sipo_tree_loop(workdir):
