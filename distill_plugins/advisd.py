@@ -29,6 +29,7 @@ from credit_plugins.estimator import param, params_dataclass
 from .losses import reverse_kl
 
 __all__ = ["AdviSDParams", "advice_influence", "select_count", "select_decisions", "advisd_loss", "feedback_text",
+           "advice_text",
            "FORMULA", "MODES", "REDUCES", "FEEDBACK_FIELDS"]
 
 #: What AdviSD computes, as ``agentcredit describe advisd`` and the docs page show it.
@@ -51,6 +52,15 @@ REDUCES = ("mean", "sum")
 FEEDBACK_FIELDS = ("outcome", "ret", "turns", "t", "action", "reward")
 DEFAULT_FEEDBACK = ("\nFeedback on this episode: it {outcome} with return {ret:.2f} after {turns} turns; at this turn "
                     "the executor played {action} (reward {reward:.2f}).")
+
+
+DEFAULT_ASK = "\nYou advise the player who picks the action. Reply with one short hint for this turn."
+DEFAULT_ADVICE = "\nAdvice: {advice}"
+
+
+def advice_text(template: str, advice: str) -> str:
+    """The advice block of the executor's prompt: ``template`` with ``{advice}`` replaced (no other field)."""
+    return template.replace("{advice}", advice)
 
 
 def feedback_text(template: str, *, success: bool, ret: float, turns: int, t: int, action: str | None,
@@ -93,6 +103,10 @@ class AdviSDParams:
                                 "difference, then its magnitude", choices=REDUCES)
     feedback: str = param(DEFAULT_FEEDBACK, "template of the outcome feedback appended to the teacher's prompt; "
                                             "fields: " + ", ".join(FEEDBACK_FIELDS))
+    ask: str = param(DEFAULT_ASK, "appended to the turn's user message to make the advisor's prompt (the advisor "
+                                  "answers with its advice)")
+    advice_format: str = param(DEFAULT_ADVICE, "appended to the turn's user message to make the executor's prompt; "
+                                               "must hold {advice}")
     executor: str | None = param(None, "model path or local name of the frozen executor (None: a frozen copy of "
                                        "the advisor's starting weights; same tokenizer required)")
     advice_tokens: int = param(16, "most tokens of one piece of advice (also capped by max_completion_length)",
@@ -102,6 +116,9 @@ class AdviSDParams:
 
     def __post_init__(self) -> None:
         _check_template(self.feedback)
+        if self.advice_format.count("{advice}") != 1:
+            raise ValueError(f"term 'advisd': advice_format={self.advice_format!r} must hold {{advice}} exactly once "
+                             f"(where the advisor's advice enters the executor's prompt), e.g. {DEFAULT_ADVICE!r}")
 
 
 def _vector(x, name: str) -> torch.Tensor:

@@ -48,6 +48,6 @@ class TermSpec:
 
 
 #: The built-in terms, in the order ``agentcredit list terms`` shows them (each method module appends its SPEC here).
-from . import evoke, sprpo  # noqa: E402  (the method records import TermSpec from this module)
+from . import advisd, evoke, sprpo  # noqa: E402  (the method records import TermSpec from this module)
 
-BUILTIN: tuple[TermSpec, ...] = (sprpo.SPEC, evoke.SPEC)
+BUILTIN: tuple[TermSpec, ...] = (sprpo.SPEC, evoke.SPEC, advisd.SPEC)

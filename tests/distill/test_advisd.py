@@ -8,8 +8,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from distill_plugins.advisd import (AdviSDParams, advice_influence, advisd_loss, feedback_text, select_count,
-                                    select_decisions)
+from distill_plugins.advisd import (AdviSDParams, advice_influence, advice_text, advisd_loss, feedback_text,
+                                    select_count, select_decisions)
 
 
 def t(x, dtype=torch.float64):
@@ -214,6 +214,27 @@ def test_params_and_feedback_template():
         AdviSDParams(fraction=0.0)
     with pytest.raises(ValueError, match="mode"):
         AdviSDParams(mode="top")
+    assert advice_text(AdviSDParams().advice_format, "go {left}") == "\nAdvice: go {left}"
+    for bad in ("no field", "{advice} and {advice}"):
+        with pytest.raises(ValueError, match=r"advice_format=.* must hold \{advice\} exactly once"):
+            AdviSDParams(advice_format=bad)
+
+
+def test_registry_record_and_recipe_block():
+    from agentcredit.recipe import RecipeError, check_terms
+    from credit_plugins import registry
+    from distill_plugins.terms.advisd import SPEC
+
+    assert registry.get("advisd", kind="terms") is SPEC and SPEC.bridges == ("trl",)
+    assert "influence_i" in SPEC.describe() and "executor" in SPEC.describe()
+    assert check_terms({"advisd": None}) == {"advisd": {}}
+    assert SPEC.make_params(fraction=1.0, mode="random").mode == "random"
+    with pytest.raises(RecipeError, match=r"agentcredit.terms.advisd: .*fraction"):
+        check_terms({"advisd": {"fraction": 0}})
+    with pytest.raises(RecipeError, match=r"agentcredit.terms.advisd: .*mode"):
+        check_terms({"advisd": {"mode": "top"}})
+    with pytest.raises(RecipeError, match=r"agentcredit.terms.advisd: .*feedback"):
+        check_terms({"advisd": {"feedback": "{score}"}})
 
 
 # ---- a task where advice can change the executor's action ------------------------------------------------------------
