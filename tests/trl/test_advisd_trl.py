@@ -1,0 +1,116 @@
+"""AdviSD on TRL (agentcredit.trl.advisd): one real GRPOTrainer step on the tiny model where the policy advises a
+frozen executor: the rows train the advice, the executor reads it and stays frozen, the influence and selection are
+the pure core's on the recorded responses, the distillation term enters the loss with its weight; refusals."""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from agentcredit.trl.advisd import AdvisedTurn, padded_batch, score_completions  # noqa: E402
+from distill_plugins.advisd import advice_influence, advisd_loss, select_count  # noqa: E402
+from tests.helpers.trl_runs import turn_rollout_trainer  # noqa: E402
+
+
+def _advisd_trainer(advisd: dict, output_dir, **kwargs):
+    from trl import GRPOTrainer
+
+    from agentcredit.trl import make_trainer
+
+    rounds = []
+
+    class Spy(make_trainer(GRPOTrainer, credit="grpo", terms={"advisd": advisd})):
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            episodes = self._advisd_rollout.last_episodes
+            rounds.append({"episodes": episodes, "chunks": [[dict(d) for d in c] for c in self._advisd_chunks],
+                           "rows": out})
+            return out
+
+    kwargs.setdefault("max_completion_length", 6)
+    trainer = turn_rollout_trainer(Spy, str(output_dir), **kwargs)
+    return trainer, rounds
+
+
+def _logged(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+def test_advisd_one_grpo_step_advises_a_frozen_executor_and_adds_the_selective_term(tmp_path):
+    params = {"weight": 1.0, "fraction": 0.5, "advice_tokens": 5}
+    trainer, rounds = _advisd_trainer(params, tmp_path / "w1")
+    executor = trainer._advisd_executor
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.train()
+    (r,) = rounds
+    turns = [tr for ep in r["episodes"] for tr in ep.turns]
+    assert turns and all(isinstance(tr, AdvisedTurn) for tr in turns)
+    tok = trainer.processing_class
+    for tr in turns:
+        # the row trains the advice (at most advice_tokens), not the executor's answer
+        assert 1 <= len(tr.completion_ids) <= 5 and tr.response.startswith("<action>")
+        # the executor read the user message plus the advice; the advisor's prompt holds the ask, not the advice
+        exec_text = tok.decode(tr.exec_with_ids)
+        assert tr.user in exec_text and f"Advice: {tr.advice}" in exec_text
+        assert "Advice:" not in tok.decode(tr.exec_without_ids) and tr.user in tok.decode(tr.exec_without_ids)
+        assert "You advise the player" in tok.decode(tr.prompt_ids)
+    # the executor stayed frozen (the copy of the starting weights) while the advisor trained
+    ex = executor.state_dict()
+    assert all(torch.equal(ex[k], before[k]) for k in before)
+    assert any(not torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
+    assert not any(p.requires_grad for p in executor.parameters())
+
+    # selection: exactly ceil(fraction * n) decisions, the largest influences recomputed independently
+    n = len(turns)
+    chosen = [d for c in r["chunks"] for d in c]
+    assert _logged(trainer, "agentcredit_advisd/decisions") == [float(n)]
+    assert len(chosen) == select_count(n, 0.5)
+    assert _logged(trainer, "agentcredit_advisd/selected_frac")[0] == pytest.approx(len(chosen) / n)
+    pad = tok.pad_token_id
+    model0 = type(trainer.model).from_pretrained(trainer.model.name_or_path)  # the weights the round scored with
+    model0.eval()
+    lw, mask = score_completions(model0, [(tr.exec_with_ids, tr.exec_response_ids) for tr in turns], pad)
+    lo, _ = score_completions(model0, [(tr.exec_without_ids, tr.exec_response_ids) for tr in turns], pad)
+    infl = advice_influence(lw, lo, mask)
+    assert float(infl.max()) > 0
+    top = sorted(infl.tolist(), reverse=True)[:len(chosen)]
+    assert sorted(d["influence"] for d in chosen) == pytest.approx(sorted(top), abs=1e-4)
+    assert _logged(trainer, "agentcredit_advisd/influence")[0] == pytest.approx(float(infl.mean()), abs=1e-4)
+    # the teacher prompt is the advisor prompt plus the episode's outcome feedback
+    for d in chosen:
+        assert "Feedback on this episode" in tok.decode(d["teacher_prompt"])
+        assert "Feedback" not in tok.decode(d["prompt"])
+
+    term = _logged(trainer, "agentcredit_advisd/loss")[0]
+    assert math.isfinite(term) and term > 0
+    # an independent L_SD of the chosen decisions under the starting weights matches the logged one
+    s_ids, s_att, amask = padded_batch([(d["prompt"], d["advice"]) for d in chosen], pad)
+    t_ids, t_att, _ = padded_batch([(d["teacher_prompt"], d["advice"]) for d in chosen], pad)
+    k = amask.size(1)
+    with torch.no_grad():
+        s = model0(input_ids=s_ids, attention_mask=s_att).logits[:, -k - 1:-1]
+        t = model0(input_ids=t_ids, attention_mask=t_att).logits[:, -k - 1:-1]
+    assert float(advisd_loss(s, t, amask, torch.ones(len(chosen), dtype=torch.bool))) == pytest.approx(term, rel=1e-3)
+
+    # weight 0: same rollout and selection (seeded), the term measured only; the losses differ by exactly the term
+    t0, r0 = _advisd_trainer({**params, "weight": 0.0}, tmp_path / "w0")
+    t0.train()
+    assert [tr.completion_ids for ep in r0[0]["episodes"] for tr in ep.turns] == [tr.completion_ids for tr in turns]
+    assert _logged(t0, "agentcredit_advisd/loss")[0] == pytest.approx(term, rel=1e-5)
+    assert _logged(trainer, "loss")[0] - _logged(t0, "loss")[0] == pytest.approx(term, rel=1e-3)
+
+
+def test_advisd_refuses_what_it_cannot_run(tmp_path):
+    from trl import GRPOTrainer
+
+    from agentcredit.trl import make_trainer
+
+    cls = make_trainer(GRPOTrainer, credit="grpo", terms={"advisd": {}})
+    with pytest.raises(ValueError, match="TurnRollout"):
+        cls(model="unused", reward_funcs=[], args=None)
+    with pytest.raises(ValueError, match="prompt: compact"):
+        turn_rollout_trainer(cls, str(tmp_path), rollout_options={"prompt": "verl-agent"})
+    with pytest.raises(ValueError, match="fraction"):
+        make_trainer(GRPOTrainer, credit="grpo", terms={"advisd": {"fraction": 2.0}})
