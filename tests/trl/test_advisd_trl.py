@@ -114,3 +114,29 @@ def test_advisd_refuses_what_it_cannot_run(tmp_path):
         turn_rollout_trainer(cls, str(tmp_path), rollout_options={"prompt": "verl-agent"})
     with pytest.raises(ValueError, match="fraction"):
         make_trainer(GRPOTrainer, credit="grpo", terms={"advisd": {"fraction": 2.0}})
+
+
+def test_advisd_is_stateless_across_resume(tmp_path):
+    """Nothing to checkpoint: a resumed run's executor is the starting weights (not the checkpoint's) and its random
+    draw (seeded by seed + global_step) picks what the uninterrupted run picked at that step."""
+    import os
+
+    opts = dict(save_strategy="steps", save_steps=1, max_steps=2, learning_rate=1e-3)
+    params = {"mode": "random", "fraction": 0.3, "advice_tokens": 4, "seed": 5}
+    full, full_rounds = _advisd_trainer(params, tmp_path / "full", **opts)
+    start = {k: v.clone() for k, v in full.model.state_dict().items()}
+    full.train()
+    assert len(full_rounds) == 2
+    assert not any(f.startswith("agentcredit_advisd") for f in os.listdir(tmp_path / "full" / "checkpoint-1"))
+    resumed, resumed_rounds = _advisd_trainer(params, tmp_path / "resumed", **opts)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-1"))
+    assert len(resumed_rounds) == 1
+
+    def picked(r):
+        return [(d["advice"], d["prompt"]) for c in r["chunks"] for d in c]
+
+    assert picked(resumed_rounds[0]) == picked(full_rounds[1])
+    assert picked(full_rounds[0]) != picked(full_rounds[1])
+    ex = resumed._advisd_executor.state_dict()
+    assert all(torch.equal(ex[k], start[k]) for k in start)
+    assert any(not torch.equal(ex[k], v) for k, v in resumed.model.state_dict().items())
