@@ -22,6 +22,8 @@ the selected decisions are dealt to the round's ``steps_per_generation`` micro-b
 micro-batch adds ``weight * L_SD / gradient_accumulation_steps``: the reverse KL of the advisor (with gradient) at
 its advice tokens toward the same advisor (no gradient) whose prompt also holds the episode's outcome feedback.
 
+Held-out: :func:`evaluate_advisor` plays episodes in the same advisor + executor format.
+
 Logged: ``agentcredit_advisd/{decisions,selected_frac,influence,selected_influence,loss,weight}``. Stateless across
 checkpoints: the executor is rebuilt from the starting weights (a resumed run builds its trainer from the same model
 path before loading the checkpoint) and the random draw of step k depends on ``seed + k`` only.
@@ -45,7 +47,7 @@ from .generation import HFGenerator, TurnSampling
 from .prompts import chat_text, compact_prompt
 
 __all__ = ["TermMixin", "AdviSDMixin", "AdvisedTurn", "AdvisorContext", "AdviceGenerator", "advisor_text",
-           "padded_batch", "score_completions"]
+           "padded_batch", "score_completions", "evaluate_advisor"]
 
 
 @dataclass
@@ -323,3 +325,45 @@ class AdviSDMixin:
 
 #: the name :func:`agentcredit.trl.credit.term_mixin` looks up
 TermMixin = AdviSDMixin
+
+
+@torch.no_grad()
+def evaluate_advisor(advisor, executor, tokenizer, env: str, env_options: dict | None, seeds, *,
+                     params: dict[str, Any] | None = None, max_turns: int = 6, max_new_tokens: int = 8,
+                     temperature: float = 1.0, greedy: bool = False, system: str | None = None,
+                     batch_size: int = 64, sampling_seed: int | None = 0):
+    """Held-out episodes of ``advisor`` advising ``executor`` (one per seed, the training turn format: the advisor
+    context, ``advice_tokens`` of advice, the executor's ``max_new_tokens`` answer), summarised as
+    :class:`agentcredit.trl.episodes.EvalResult`; ``params``: the term's parameters (``ask``, ``advice_format``,
+    ``advice_tokens``). Reproducible as :func:`agentcredit.trl.episodes.evaluate`: the sampling stream
+    ``torch.manual_seed(sampling_seed)`` is forked. Both models run in eval mode; their modes are restored."""
+    import time
+
+    import env_adapters
+
+    from ..stats import wilson_interval
+    from .episodes import EvalResult, episode_stats, play_episodes
+
+    p = SPEC.make_params(**dict(params or {}))
+    t0 = time.perf_counter()
+    loop = _Loop(tokenizer, executor, p, p.advice_tokens)
+    gen = AdviceGenerator(HFGenerator(advisor, tokenizer, batch_size=batch_size),
+                          HFGenerator(executor, tokenizer, batch_size=batch_size), loop)
+    specs = [(env_adapters.make(env, **dict(env_options or {})), int(s)) for s in seeds]
+    was = executor.training
+    executor.eval()
+    try:
+        with torch.random.fork_rng(enabled=sampling_seed is not None):
+            if sampling_seed is not None:
+                torch.manual_seed(int(sampling_seed))
+            episodes = play_episodes(advisor, tokenizer, specs, max_turns=max_turns, max_new_tokens=max_new_tokens,
+                                     temperature=temperature, greedy=greedy, system=system, batch_size=batch_size,
+                                     context=AdvisorContext.bind(loop), generator=gen)
+    finally:
+        executor.train(was)
+    st = episode_stats(episodes)
+    wins = sum(e.success for e in episodes)
+    return EvalResult(n_episodes=len(episodes), success_rate=st["success_rate"],
+                      success_ci=wilson_interval(wins, len(episodes)), valid_rate=st["valid_rate"],
+                      mean_return=st["mean_return"], mean_turns=st["mean_turns"], seconds=time.perf_counter() - t0,
+                      episodes=episodes)

@@ -140,3 +140,35 @@ def test_advisd_is_stateless_across_resume(tmp_path):
     ex = resumed._advisd_executor.state_dict()
     assert all(torch.equal(ex[k], start[k]) for k in start)
     assert any(not torch.equal(ex[k], v) for k, v in resumed.model.state_dict().items())
+
+
+def test_evaluate_advisor_plays_held_out_episodes_with_the_executor_acting():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agentcredit.models import resolve_model
+    from agentcredit.trl.advisd import evaluate_advisor
+    from agentcredit.trl.generation import HFGenerator, TurnSampling
+
+    path = resolve_model("tiny-qwen2")
+    tok = AutoTokenizer.from_pretrained(path)
+    executor = AutoModelForCausalLM.from_pretrained(path)
+    advisor = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():  # a different advisor: its own greedy answers differ from the executor's
+        for prm in advisor.parameters():
+            prm.add_(0.05 * torch.randn(prm.shape, generator=torch.Generator().manual_seed(0)))
+    advisor.train()
+    kw = dict(params={"advice_tokens": 3}, max_turns=2, max_new_tokens=4, greedy=True)
+    opts = {"size": 5, "moves": "absolute", "view": "coords"}
+    res = evaluate_advisor(advisor, executor, tok, "minigrid", opts, range(3), **kw)
+    again = evaluate_advisor(advisor, executor, tok, "minigrid", opts, range(3), **kw)
+    assert res.n_episodes == 3 and advisor.training and not executor.training  # modes restored
+    turns = [tr for ep in res.episodes for tr in ep.turns]
+    assert turns and all(isinstance(tr, AdvisedTurn) and 1 <= len(tr.completion_ids) <= 3 for tr in turns)
+    assert [tr.completion_ids for ep in again.episodes for tr in ep.turns] == [tr.completion_ids for tr in turns]
+    # the env played the executor's answer to the prompt holding the advice (greedy: reproducible by hand)
+    params = TurnSampling(max_new_tokens=4, greedy=True)
+    by_executor = HFGenerator(executor, tok).generate([tr.exec_with_ids for tr in turns], params)
+    by_advisor = HFGenerator(advisor, tok).generate([tr.exec_with_ids for tr in turns], params)
+    assert [list(ids) for ids, _, _ in by_executor] == [tr.exec_response_ids for tr in turns]
+    assert [list(ids) for ids, _, _ in by_advisor] != [tr.exec_response_ids for tr in turns]
+    assert all(f"Advice: {tr.advice}" in tok.decode(tr.exec_with_ids) for tr in turns)
