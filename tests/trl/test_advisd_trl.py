@@ -114,6 +114,11 @@ def test_advisd_refuses_what_it_cannot_run(tmp_path):
         turn_rollout_trainer(cls, str(tmp_path), rollout_options={"prompt": "verl-agent"})
     with pytest.raises(ValueError, match="fraction"):
         make_trainer(GRPOTrainer, credit="grpo", terms={"advisd": {"fraction": 2.0}})
+    # executor: a second local model, loaded frozen (not the policy's copy)
+    named = turn_rollout_trainer(make_trainer(GRPOTrainer, credit="grpo", terms={"advisd": {"executor": "tiny-qwen2"}}),
+                                 str(tmp_path / "named"))
+    ex = named._advisd_executor
+    assert ex is not named.model and not ex.training and not any(p.requires_grad for p in ex.parameters())
 
 
 def test_advisd_is_stateless_across_resume(tmp_path):
