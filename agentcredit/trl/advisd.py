@@ -341,8 +341,7 @@ def evaluate_advisor(advisor, executor, tokenizer, env: str, env_options: dict |
 
     import env_adapters
 
-    from ..stats import wilson_interval
-    from .episodes import EvalResult, episode_stats, play_episodes
+    from .episodes import eval_result, play_episodes
 
     p = SPEC.make_params(**dict(params or {}))
     t0 = time.perf_counter()
@@ -361,9 +360,4 @@ def evaluate_advisor(advisor, executor, tokenizer, env: str, env_options: dict |
                                      context=AdvisorContext.bind(loop), generator=gen)
     finally:
         executor.train(was)
-    st = episode_stats(episodes)
-    wins = sum(e.success for e in episodes)
-    return EvalResult(n_episodes=len(episodes), success_rate=st["success_rate"],
-                      success_ci=wilson_interval(wins, len(episodes)), valid_rate=st["valid_rate"],
-                      mean_return=st["mean_return"], mean_turns=st["mean_turns"], seconds=time.perf_counter() - t0,
-                      episodes=episodes)
+    return eval_result(episodes, t0)

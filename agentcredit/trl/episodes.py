@@ -30,7 +30,7 @@ from .generation import HFGenerator, TurnSampling
 from .prompts import ACTION_PREFIX, chat_text, compact_prompt
 
 __all__ = ["TurnRecord", "Episode", "TranscriptContext", "play_episodes", "env_fault_stats", "check_env_errors",
-           "episode_stats", "EvalResult", "evaluate"]
+           "episode_stats", "EvalResult", "eval_result", "evaluate"]
 
 
 @dataclass
@@ -283,6 +283,12 @@ def evaluate(model, tokenizer, env: str, env_options: dict | None, seeds: Iterab
         episodes = play_episodes(model, tokenizer, specs, max_turns=max_turns, max_new_tokens=max_new_tokens,
                                  temperature=temperature, greedy=greedy, prompt=prompt, batch_size=batch_size,
                                  system=system, history_length=history_length, context=context)
+    return eval_result(episodes, t0)
+
+
+def eval_result(episodes: list, t0: float) -> EvalResult:
+    """The :class:`EvalResult` of finished ``episodes`` (Wilson interval of the success count), timed from
+    ``t0`` (a ``time.perf_counter()`` reading)."""
     s = episode_stats(episodes)
     wins = sum(e.success for e in episodes)
     return EvalResult(n_episodes=len(episodes), success_rate=s["success_rate"],
