@@ -112,8 +112,17 @@ def _cmd_sft(args: argparse.Namespace) -> int:
         recipe = load_recipe(args.recipe, list(args.overrides))
         from . import sft
 
-        sft.run_sft(recipe, args.out, episodes=args.episodes, steps=args.steps, batch_size=args.batch_size,
-                    learning_rate=args.learning_rate, eval=not args.no_eval, player=args.player)
+        # what the command line leaves out is the recipe's own warm start (what `train` would run), else the defaults
+        ws = recipe.agentcredit.warm_start
+        given = {"episodes": args.episodes, "steps": args.steps, "batch_size": args.batch_size, "player": args.player}
+        fallback = {"episodes": 256, "steps": 60, "batch_size": 32, "player": "expert"}
+        kw = {k: v if v is not None else (getattr(ws, "policy" if k == "player" else k) if ws is not None
+                                          else fallback[k]) for k, v in given.items()}
+        taken = [k for k, v in given.items() if v is None]
+        if taken:
+            print(f"agentcredit sft: {', '.join(f'{k}={kw[k]}' for k in taken)} (the "
+                  f"{'recipe' + chr(39) + 's agentcredit.warm_start' if ws is not None else 'defaults'})", flush=True)
+        sft.run_sft(recipe, args.out, learning_rate=args.learning_rate, eval=not args.no_eval, **kw)
     except (RecipeError, ImportError, FileNotFoundError) as e:
         return _error("sft", str(e))
     except KeyboardInterrupt:
@@ -260,11 +269,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("recipe", help="recipe YAML file (its model, env, prompt format and eval are used)")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the recipe")
     p.add_argument("--out", required=True, help="folder for the teacher checkpoint")
-    p.add_argument("--episodes", type=int, default=256, help="episodes (one per training seed)")
-    p.add_argument("--player", choices=("expert", "random"), default="expert", help="who plays them: the env's "
-                   "scripted expert, or uniformly random legal actions (teaches the answer format only)")
-    p.add_argument("--steps", type=int, default=60, help="optimizer steps (0: save and evaluate the model as is)")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--episodes", type=int, default=None, help="episodes (one per training seed); default: the "
+                   "recipe's agentcredit.warm_start.episodes, else 256")
+    p.add_argument("--player", choices=("expert", "random"), default=None, help="who plays them: the env's "
+                   "scripted expert, or uniformly random legal actions (teaches the answer format only); default: "
+                   "the recipe's agentcredit.warm_start.policy, else expert")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (0: save and evaluate the model as is); "
+                   "default: the recipe's agentcredit.warm_start.steps, else 60")
+    p.add_argument("--batch-size", type=int, default=None, help="default: the recipe's "
+                   "agentcredit.warm_start.batch_size, else 32")
     p.add_argument("--learning-rate", type=float, default=None, help="default: the recipe's "
                    "agentcredit.warm_start.learning_rate, else 5e-5")
     p.add_argument("--no-eval", action="store_true", help="skip the teacher's held-out evaluation")

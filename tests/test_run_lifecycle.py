@@ -391,6 +391,23 @@ def test_sft_uses_the_recipe_warm_start_learning_rate(tmp_path, capsys):
            "no such folder", command="sft")
 
 
+def test_sft_takes_what_the_command_line_leaves_out_from_the_recipe_warm_start(tmp_path, capsys):
+    """`agentcredit sft RECIPE --out D` makes the recipe's own warm start (as `train` would), not fixed defaults."""
+    out = tmp_path / "ws"
+    assert cli.main(["sft", TINY_DEMO, "model_name_or_path=tiny-qwen2", "--out", str(out), "--no-eval",
+                     "agentcredit.warm_start={policy: random, steps: 1, episodes: 3, batch_size: 5}"]) == 0
+    summary = json.loads((out / "sft_summary.json").read_text())
+    assert (summary["player"], summary["steps"], summary["episodes"], summary["batch_size"]) == ("random", 1, 3, 5)
+    assert "episodes=3, steps=1, batch_size=5, player=random (the recipe's agentcredit.warm_start)" in \
+        capsys.readouterr().out
+    out2 = tmp_path / "ws2"  # what is given wins; without a warm_start block the old defaults hold
+    assert cli.main(["sft", TINY_DEMO, "model_name_or_path=tiny-qwen2", "--out", str(out2), "--no-eval",
+                     "agentcredit.warm_start=null", "--steps", "0", "--episodes", "2"]) == 0
+    summary = json.loads((out2 / "sft_summary.json").read_text())
+    assert (summary["player"], summary["steps"], summary["episodes"], summary["batch_size"]) == ("expert", 0, 2, 32)
+    assert "batch_size=32, player=expert (the defaults)" in capsys.readouterr().out
+
+
 def _archive(path: Path, runs_envs) -> None:
     from distill_plugins.ross import ArchivedTrajectory, ArchivedTurn, ArchiveWriter
 
