@@ -120,8 +120,8 @@ def _cmd_sft(args: argparse.Namespace) -> int:
                                           else fallback[k]) for k, v in given.items()}
         taken = [k for k, v in given.items() if v is None]
         if taken:
-            print(f"agentcredit sft: {', '.join(f'{k}={kw[k]}' for k in taken)} (the "
-                  f"{'recipe' + chr(39) + 's agentcredit.warm_start' if ws is not None else 'defaults'})", flush=True)
+            source = "the recipe's agentcredit.warm_start" if ws is not None else "the defaults"
+            print(f"agentcredit sft: {', '.join(f'{k}={kw[k]}' for k in taken)} ({source})", flush=True)
         sft.run_sft(recipe, args.out, learning_rate=args.learning_rate, eval=not args.no_eval, **kw)
     except (RecipeError, ImportError, FileNotFoundError) as e:
         return _error("sft", str(e))
