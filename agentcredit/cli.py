@@ -112,17 +112,9 @@ def _cmd_sft(args: argparse.Namespace) -> int:
         recipe = load_recipe(args.recipe, list(args.overrides))
         from . import sft
 
-        # what the command line leaves out is the recipe's own warm start (what `train` would run), else the defaults
-        ws = recipe.agentcredit.warm_start
-        given = {"episodes": args.episodes, "steps": args.steps, "batch_size": args.batch_size, "player": args.player}
-        fallback = {"episodes": 256, "steps": 60, "batch_size": 32, "player": "expert"}
-        kw = {k: v if v is not None else (getattr(ws, "policy" if k == "player" else k) if ws is not None
-                                          else fallback[k]) for k, v in given.items()}
-        taken = [k for k, v in given.items() if v is None]
-        if taken:
-            source = "the recipe's agentcredit.warm_start" if ws is not None else "the defaults"
-            print(f"agentcredit sft: {', '.join(f'{k}={kw[k]}' for k in taken)} ({source})", flush=True)
-        sft.run_sft(recipe, args.out, learning_rate=args.learning_rate, eval=not args.no_eval, **kw)
+        # what the command line leaves out (None) is the recipe's own warm start, else the defaults: run_sft decides
+        sft.run_sft(recipe, args.out, episodes=args.episodes, steps=args.steps, batch_size=args.batch_size,
+                    player=args.player, learning_rate=args.learning_rate, eval=not args.no_eval)
     except (RecipeError, ImportError, FileNotFoundError) as e:
         return _error("sft", str(e))
     except KeyboardInterrupt:

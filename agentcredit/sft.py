@@ -132,28 +132,49 @@ def _batches(rows, batch_size: int, steps: int, rng: random.Random, pad: int):
         yield ids, att, labels
 
 
-def run_sft(recipe: Recipe, out: str, episodes: int = 256, steps: int = 60, batch_size: int = 32,
-            learning_rate: float | None = None, seed: int = 0, eval: bool = True,  # noqa: A002
-            final_out: str | None = None, player: str = "expert") -> dict[str, Any]:
+#: what :func:`run_sft` uses for an argument left None when the recipe has no ``agentcredit.warm_start`` block
+DEFAULTS: dict[str, Any] = {"episodes": 256, "steps": 60, "batch_size": 32, "player": "expert", "learning_rate": 5e-5}
+
+
+def _settings(recipe: Recipe, given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` with every None taken from the recipe's ``agentcredit.warm_start`` (what ``agentcredit train`` would
+    run; its ``policy`` is the player), else from :data:`DEFAULTS`; prints what was taken and from where."""
+    ws = recipe.agentcredit.warm_start
+    out = {k: v if v is not None else (getattr(ws, "policy" if k == "player" else k) if ws is not None
+                                       else DEFAULTS[k]) for k, v in given.items()}
+    source = "the recipe's agentcredit.warm_start" if ws is not None else "the defaults"
+    taken = [k for k, v in given.items() if v is None and k != "learning_rate"]
+    if taken:
+        print(f"agentcredit sft: {', '.join(f'{k}={out[k]}' for k in taken)} ({source})", flush=True)
+    if given["learning_rate"] is None:
+        lr_source = "the recipe's agentcredit.warm_start.learning_rate" if ws is not None else "default"
+        print(f"agentcredit sft: learning rate {out['learning_rate']:g} ({lr_source})", flush=True)
+    return out
+
+
+def run_sft(recipe: Recipe, out: str, episodes: int | None = None, steps: int | None = None,
+            batch_size: int | None = None, learning_rate: float | None = None, seed: int = 0,
+            eval: bool = True,  # noqa: A002
+            final_out: str | None = None, player: str | None = None) -> dict[str, Any]:
     """Fine-tune the recipe's model on the turns of ``player`` (:data:`PLAYERS`: the scripted expert, or uniformly
     random legal actions) and save it to ``out``; returns the summary (also written to
     ``out/sft_summary.json``). ``steps=0`` saves and evaluates the model as it is (a start with no warm start, e.g.
     a pretrained LM in ``benchmarks/credit_learning.py``); its losses are then ``None``. ``final_out`` is the folder
     the summary names as ``out`` when ``out`` is a temporary one renamed into place afterwards (the warm start's
-    :func:`agentcredit.models.build_atomically`). ``learning_rate`` None: the recipe's
-    ``agentcredit.warm_start.learning_rate`` (what its own warm start uses), else 5e-5. The model path and ``out`` are
-    checked before any model loads; ``out`` gets the recipe (``recipe.yaml``) next to the weights."""
+    :func:`agentcredit.models.build_atomically`). ``episodes``, ``steps``, ``batch_size``, ``learning_rate`` or
+    ``player`` None: the recipe's ``agentcredit.warm_start`` value (what its own warm start uses), else
+    :data:`DEFAULTS`. The model path and ``out`` are checked before any model loads; ``out`` gets the recipe
+    (``recipe.yaml``) next to the weights."""
     import torch
 
+    kw = _settings(recipe, {"episodes": episodes, "steps": steps, "batch_size": batch_size,
+                            "player": player, "learning_rate": learning_rate})
+    episodes, steps, batch_size, player, learning_rate = (kw[k] for k in ("episodes", "steps", "batch_size",
+                                                                          "player", "learning_rate"))
     if player not in PLAYERS:
         raise RecipeError(f"sft player={player!r}; choose one of {list(PLAYERS)}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise RecipeError(f"sft steps={steps!r}: give a whole number >= 0 (0 saves and evaluates the model as is)")
-    if learning_rate is None:
-        ws = recipe.agentcredit.warm_start
-        learning_rate = ws.learning_rate if ws is not None else 5e-5
-        source = "the recipe's agentcredit.warm_start.learning_rate" if ws is not None else "default"
-        print(f"agentcredit sft: learning rate {learning_rate:g} ({source})", flush=True)
     lifecycle.check_model_path("model_name_or_path", recipe.model_args.get("model_name_or_path"),
                                fix="give an existing model folder, a hub id or a built-in name")
     lifecycle.check_out_dir("--out", out)
