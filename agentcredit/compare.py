@@ -498,7 +498,7 @@ def evaluate_start(out: str, recipe_path: str, overrides: Sequence[str]) -> None
 
     recipe = load_recipe(recipe_path, list(overrides))
     _, tokenizer, model = policy.load_model(recipe, None)
-    result = evaluate(model, tokenizer, recipe)
+    result = evaluate(model, tokenizer, recipe, start=True)
     Path(out).mkdir(parents=True, exist_ok=True)
     write_json(Path(out) / RESULT_FILE, {"kind": "eval", "model": recipe.model_args["model_name_or_path"],
                                          "eval": as_dict(result)})

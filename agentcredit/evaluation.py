@@ -16,19 +16,28 @@ from typing import Any
 from .recipe import Recipe, rollout_class
 from .stats import PairedDifference, paired_difference
 
-__all__ = ["evaluate", "as_dict", "paired_before_after", "write_eval_episodes", "format_eval_table"]
+__all__ = ["evaluate", "check_trained_evaluation", "as_dict", "paired_before_after", "write_eval_episodes",
+           "format_eval_table"]
 
 
-def evaluate(model, tokenizer, recipe: Recipe):
+def evaluate(model, tokenizer, recipe: Recipe, executor: Any = None, start: bool = False):
     """The recipe's held-out evaluation of ``model`` (an :class:`agentcredit.trl.episodes.EvalResult`): its eval
     seeds, temperature or greedy decoding and sampling seed, in the turn format and context the policy is trained in
     (CCM's memory prompt for ``rollout: memory``; the transcript otherwise). Runs without gradients in eval mode;
-    the model's mode is restored."""
+    the model's mode is restored.
+
+    With the ``advisd`` term the policy is an advisor: ``model`` advises ``executor``, which acts
+    (:func:`agentcredit.trl.advisd.evaluate_advisor`, the training turn format). ``executor`` None: the term's
+    ``executor`` path; without one, ``model`` itself when it is the run's ``start`` (the trainer's executor is a
+    frozen copy of exactly those weights), else a ``RecipeError`` (a trained advisor's executor is the model its run
+    started from, which this function cannot know; ``agentcredit train`` passes it)."""
     import torch
 
     from .trl.episodes import evaluate as play_evaluation
 
     ac, ev = recipe.agentcredit, recipe.agentcredit.eval
+    if "advisd" in ac.terms:
+        return _evaluate_advisor(model, tokenizer, recipe, executor, start)
     context = getattr(rollout_class(ac.rollout), "context", None) if ac.bridge == "rollout_func" else None
     kwargs = dict(max_turns=ac.max_turns, temperature=ev.temperature, greedy=ev.greedy, prompt=ac.prompt,
                   max_new_tokens=ac.max_new_tokens, batch_size=ev.batch_size, system=ac.system,
@@ -40,6 +49,42 @@ def evaluate(model, tokenizer, recipe: Recipe):
     try:
         with torch.no_grad():
             return play_evaluation(model, tokenizer, ac.env, dict(ac.env_options), ev.seed_list, **kwargs)
+    finally:
+        model.train(was_training)
+
+
+def check_trained_evaluation(recipe: Recipe) -> None:
+    """A ``RecipeError`` when the recipe's evaluation of a *trained* policy needs something the recipe does not name
+    (an advisd advisor's executor), so a command refuses before it loads a model."""
+    from .recipe import RecipeError
+
+    terms = recipe.agentcredit.terms
+    if "advisd" in terms and (terms["advisd"] or {}).get("executor") is None:
+        raise RecipeError("the held-out evaluation of an advisor (agentcredit.terms.advisd) needs its frozen "
+                          "executor: set agentcredit.terms.advisd.executor=PATH (the warm start or base model "
+                          "the advisor's run started from)")
+
+
+def _evaluate_advisor(model, tokenizer, recipe: Recipe, executor: Any, start: bool):
+    import torch
+
+    from .trl.advisd import evaluate_advisor, load_executor
+
+    ac, ev = recipe.agentcredit, recipe.agentcredit.eval
+    params = dict(ac.terms["advisd"] or {})
+    if executor is None and params.get("executor") is None and start:
+        executor = model
+    elif executor is None:
+        check_trained_evaluation(recipe)
+        executor = load_executor(params["executor"], tokenizer).to(model.device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return evaluate_advisor(model, executor, tokenizer, ac.env, dict(ac.env_options), ev.seed_list,
+                                    params=params, max_turns=ac.max_turns, max_new_tokens=ac.max_new_tokens,
+                                    temperature=ev.temperature, greedy=ev.greedy, system=ac.system,
+                                    batch_size=ev.batch_size, sampling_seed=ev.sampling_seed)
     finally:
         model.train(was_training)
 

@@ -119,11 +119,12 @@ def run(recipe: Recipe, checkpoint: str, grid: list[tuple[str, float]], draws: i
     from distill_plugins.sprpo import perturbed
 
     from . import policy
-    from .evaluation import evaluate
+    from .evaluation import check_trained_evaluation, evaluate
 
     if recipe.agentcredit.eval is None:
         raise RecipeError("the recipe has no agentcredit.eval block (agentcredit.eval=null); robustness plays its "
                           "held-out seeds: set agentcredit.eval={seeds: [20000, 20064]}")
+    check_trained_evaluation(recipe)
     if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
         raise RecipeError(f"--seeds must be a positive integer (noise draws per cell), got {draws!r}")
     model_dir = resolve_policy(checkpoint)

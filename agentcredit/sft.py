@@ -225,7 +225,7 @@ def run_sft(recipe: Recipe, out: str, episodes: int | None = None, steps: int | 
         print(f"format: legal-action mass {fmt['legal_mass']:.3f}, entropy over legal actions {fmt['entropy']:.3f} "
               f"(log |legal| {fmt['log_legal']:.3f}) on {fmt['states']} states of random episodes", flush=True)
     if eval and ac.eval is not None:
-        result = evaluate(model, tokenizer, recipe)
+        result = evaluate(model, tokenizer, recipe, start=True)  # advisd recipes: it advises a copy of itself
         print(f"teacher held-out: success {result.success_rate:.1%} [{result.success_ci[0]:.1%}, "
               f"{result.success_ci[1]:.1%}] on {result.n_episodes} seeds, valid {result.valid_rate:.1%}", flush=True)
     summary = {"recipe": recipe.path, "overrides": list(recipe.overrides), "model": model_path,

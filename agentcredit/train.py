@@ -338,7 +338,7 @@ def _run(recipe: Recipe, config: Any, plan: dict[str, Any], steps: int, eval: bo
         mode = "greedy" if ac.eval.greedy else f"T={ac.eval.temperature}"
         header = f"held-out eval: {hi - lo} episodes (seeds {lo}..{hi - 1}), {mode}, env {ac.env}"
     if do_before:
-        before = evaluate(model, tokenizer, recipe)
+        before = evaluate(model, tokenizer, recipe, start=True)
         print(format_eval_table(before, None, header="before training: " + header), flush=True)
 
     distill = {}
@@ -375,7 +375,7 @@ def _run(recipe: Recipe, config: Any, plan: dict[str, Any], steps: int, eval: bo
     interrupted = stop.exit_code
 
     if do_after and not interrupted:
-        after = evaluate(trained, tokenizer, recipe)
+        after = evaluate(trained, tokenizer, recipe, executor=getattr(trainer, "_advisd_executor", None))
 
     wall = time.time() - t_start
     png = plot_learning_curve(metrics_cb.path, before, after, out_dir / "learning_curve.png",

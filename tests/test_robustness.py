@@ -75,6 +75,18 @@ def test_a_recipe_without_eval_is_refused_before_the_model_loads(tmp_path, capsy
     assert "no agentcredit.eval block" in capsys.readouterr().err
 
 
+def test_an_advisor_without_its_executor_is_refused_before_the_model_loads(capsys, monkeypatch):
+    """A trained advisd advisor is evaluated advising its executor: without the executor's path there is nothing to
+    measure, so the command stops before any model loads and names the key."""
+    from agentcredit import policy
+    from agentcredit.models import resolve_model
+
+    monkeypatch.setattr(policy, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    model = resolve_model("tiny-qwen2")
+    assert cli.main(["robustness", "recipes/trl/minigrid_advisd.yaml", "--checkpoint", model]) == 2
+    assert "agentcredit.terms.advisd.executor=PATH" in capsys.readouterr().err
+
+
 def test_a_tiny_real_run_writes_the_table_and_the_json(tmp_path, capsys):
     from agentcredit.models import resolve_model
 

@@ -224,19 +224,10 @@ class AdviSDMixin:
         """The frozen executor: a copy of the policy as built (None) or the model at ``path``; eval mode, no grad."""
         if path is None:
             executor = copy.deepcopy(self.accelerator.unwrap_model(self.model))
+            executor.requires_grad_(False)
+            executor.eval()
         else:
-            from transformers import AutoModelForCausalLM
-
-            from ..models import resolve_model
-
-            executor = AutoModelForCausalLM.from_pretrained(resolve_model(path))
-            vocab = executor.get_input_embeddings().num_embeddings
-            if vocab < len(self.processing_class):
-                raise ValueError(f"term 'advisd': executor={path!r} has {vocab} token embeddings but the advisor's "
-                                 f"tokenizer has {len(self.processing_class)}; the executor must share the "
-                                 f"advisor's tokenizer")
-        executor.requires_grad_(False)
-        executor.eval()
+            executor = load_executor(path, self.processing_class)
         return executor.to(self.accelerator.device)
 
     # -- after the round: influence, selection, the teacher prompts ----------------------------------------------
@@ -321,6 +312,23 @@ class AdviSDMixin:
                 teacher = completion_logits(model, t_ids.to(device), t_att.to(device), n, temp)
         selected = torch.ones(len(chunk), dtype=torch.bool, device=device)
         return advisd_loss(student, teacher, amask.to(device), selected)
+
+
+def load_executor(path: str, tokenizer):
+    """The frozen executor at ``path`` (a folder or a built-in model name; eval mode, no gradient); a
+    ``ValueError`` when it cannot read every token of the advisor's ``tokenizer``."""
+    from transformers import AutoModelForCausalLM
+
+    from ..models import resolve_model
+
+    executor = AutoModelForCausalLM.from_pretrained(resolve_model(path))
+    vocab = executor.get_input_embeddings().num_embeddings
+    if vocab < len(tokenizer):
+        raise ValueError(f"term 'advisd': executor={path!r} has {vocab} token embeddings but the advisor's "
+                         f"tokenizer has {len(tokenizer)}; the executor must share the advisor's tokenizer")
+    executor.requires_grad_(False)
+    executor.eval()
+    return executor
 
 
 #: the name :func:`agentcredit.trl.credit.term_mixin` looks up

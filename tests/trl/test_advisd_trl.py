@@ -177,3 +177,42 @@ def test_evaluate_advisor_plays_held_out_episodes_with_the_executor_acting():
     assert [list(ids) for ids, _, _ in by_executor] == [tr.exec_response_ids for tr in turns]
     assert [list(ids) for ids, _, _ in by_advisor] != [tr.exec_response_ids for tr in turns]
     assert all(f"Advice: {tr.advice}" in tok.decode(tr.exec_with_ids) for tr in turns)
+
+
+def test_the_recipe_evaluation_plays_an_advisd_policy_as_the_advisor_of_its_executor():
+    """`agentcredit.evaluation.evaluate` on an advisd recipe: the start advises a copy of itself, a named executor is
+    loaded from the term's path, and a trained advisor without a known executor is refused before any episode."""
+    from agentcredit.evaluation import evaluate
+    from agentcredit.recipe import RecipeError, load_recipe
+    from agentcredit.trl.advisd import evaluate_advisor, load_executor
+
+    over = ["model_name_or_path=tiny-qwen2", "agentcredit.max_new_tokens=4",
+            "agentcredit.eval={seeds: [30000, 30003], greedy: true}", "agentcredit.terms.advisd.advice_tokens=3",
+            "agentcredit.env_options={size: 5, moves: absolute, view: coords}"]
+    recipe = load_recipe("recipes/trl/minigrid_advisd.yaml", over)
+    from agentcredit import policy
+
+    _, tok, model = policy.load_model(recipe)
+    model.train()
+    with pytest.raises(RecipeError, match=r"agentcredit.terms.advisd.executor=PATH"):
+        evaluate(model, tok, recipe)
+    ac = recipe.agentcredit
+    kw = dict(params=dict(ac.terms["advisd"]), max_turns=ac.max_turns, max_new_tokens=4, greedy=True, system=ac.system)
+
+    def answers(res):
+        return [(tr.completion_ids, tr.exec_response_ids) for ep in res.episodes for tr in ep.turns]
+
+    start = evaluate(model, tok, recipe, start=True)
+    assert model.training and start.n_episodes == 3
+    assert all(isinstance(tr, AdvisedTurn) for ep in start.episodes for tr in ep.turns)
+    by_hand = evaluate_advisor(model, model, tok, "minigrid", dict(recipe.agentcredit.env_options), range(30000, 30003),
+                               **kw)
+    assert answers(start) == answers(by_hand)
+    with torch.no_grad():  # a trained advisor: no longer the executor's weights
+        for prm in model.parameters():
+            prm.add_(0.05 * torch.randn(prm.shape, generator=torch.Generator().manual_seed(1)))
+    named = load_recipe("recipes/trl/minigrid_advisd.yaml", over + ["agentcredit.terms.advisd.executor=tiny-qwen2"])
+    res = evaluate(model, tok, named)
+    by_hand = evaluate_advisor(model, load_executor("tiny-qwen2", tok), tok, "minigrid",
+                               dict(recipe.agentcredit.env_options), range(30000, 30003), **kw)
+    assert answers(res) == answers(by_hand) != answers(start)
