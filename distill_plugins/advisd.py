@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import string
+from collections.abc import Sequence
 
 import torch
 
@@ -28,8 +29,8 @@ from credit_plugins.estimator import param, params_dataclass
 
 from .losses import reverse_kl
 
-__all__ = ["AdviSDParams", "advice_influence", "select_count", "select_decisions", "advisd_loss", "feedback_text",
-           "advice_text",
+__all__ = ["AdviSDParams", "advice_influence", "select_count", "select_decisions", "select_across", "advisd_loss",
+           "feedback_text", "advice_text",
            "FORMULA", "MODES", "REDUCES", "FEEDBACK_FIELDS"]
 
 #: What AdviSD computes, as ``agentcredit describe advisd`` and the docs page show it.
@@ -216,6 +217,25 @@ def select_decisions(influence: torch.Tensor, fraction: float | None = None, *, 
         chosen = idx[perm[:k].to(idx.device)]
     out[chosen] = True
     return out
+
+
+def select_across(parts: Sequence[tuple[Sequence[float], Sequence[bool]]], rank: int, fraction: float, *,
+                  mode: str = "magnitude", generator: torch.Generator | None = None) -> torch.Tensor:
+    """One process's share of a selection over every process's decisions: ``parts[r]`` is process ``r``'s
+    ``(influence, valid)`` (rank order, as an all-gather returns them); the result is the ``rank`` slice of
+    :func:`select_decisions` over their concatenation, so ``k = ceil(fraction * n_valid)`` counts the whole round
+    and ties go to the lower rank, then the earlier decision. ``random`` needs the same ``generator`` state on every
+    process (a shared seed): each then draws the same global sample."""
+    if not 0 <= rank < len(parts):
+        raise ValueError(f"select_across: rank={rank} is not one of the {len(parts)} processes' parts")
+    sizes = [len(inf) for inf, _ in parts]
+    if any(len(v) != n for (_, v), n in zip(parts, sizes)):
+        raise ValueError("select_across: every process's influence and valid lists must have the same length")
+    influence = torch.tensor([float(x) for inf, _ in parts for x in inf], dtype=torch.float64)
+    valid = torch.tensor([bool(v) for _, val in parts for v in val], dtype=torch.bool)
+    chosen = select_decisions(influence, fraction, mode=mode, generator=generator, valid=valid)
+    start = sum(sizes[:rank])
+    return chosen[start:start + sizes[rank]]
 
 
 def advisd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,

@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 
-from distill_plugins.advisd import (advice_influence, advice_text, advisd_loss, feedback_text, select_decisions)
+from distill_plugins.advisd import (advice_influence, advice_text, advisd_loss, feedback_text, select_across,
+                                   select_decisions)
 from distill_plugins.terms.advisd import SPEC
 
 from .episodes import TranscriptContext, TurnRecord
@@ -245,30 +246,47 @@ class AdviSDMixin:
         m["agentcredit_advisd/decisions"].append(float(len(decisions)))
         n = max(int(self.args.steps_per_generation), 1)
         self._advisd_chunks = [[] for _ in range(n)]
-        if not decisions:
-            return output
-        model = self.accelerator.unwrap_model(self.model)
-        pad, temp = _pad_id(self.processing_class), float(self.args.temperature or 1.0)
-        was = model.training
-        model.eval()
-        try:
-            resp = [d["exec_response_ids"] for d in decisions]
-            lw, mask = score_completions(model, [(d["exec_with_ids"], r) for d, r in zip(decisions, resp)], pad, temp)
-            lo, _ = score_completions(model, [(d["exec_without_ids"], r) for d, r in zip(decisions, resp)], pad, temp)
-        finally:
-            model.train(was)
-        influence = advice_influence(lw, lo, mask, reduce=p.reduce)
-        gen = torch.Generator().manual_seed(p.seed + int(self.state.global_step))
-        valid = torch.tensor([len(d["advice"]) > 0 for d in decisions])
+        influence = torch.zeros(0)
+        if decisions:
+            model = self.accelerator.unwrap_model(self.model)
+            pad, temp = _pad_id(self.processing_class), float(self.args.temperature or 1.0)
+            was = model.training
+            model.eval()
+            try:
+                resp = [d["exec_response_ids"] for d in decisions]
+                lw, mask = score_completions(model, [(d["exec_with_ids"], r) for d, r in zip(decisions, resp)], pad,
+                                             temp)
+                lo, _ = score_completions(model, [(d["exec_without_ids"], r) for d, r in zip(decisions, resp)], pad,
+                                          temp)
+            finally:
+                model.train(was)
+            influence = advice_influence(lw, lo, mask, reduce=p.reduce)
+        valid = torch.tensor([len(d["advice"]) > 0 for d in decisions], dtype=torch.bool)
+        selected = self._advisd_select(influence, valid)  # every process joins, with or without decisions
         if not bool(valid.any()):
             return output
-        selected = select_decisions(influence, p.fraction, mode=p.mode, generator=gen, valid=valid)
         chosen = [dict(d, influence=float(x)) for d, x, s in zip(decisions, influence.tolist(), selected.tolist()) if s]
         self._advisd_chunks = [chosen[j::n] for j in range(n)]
         m["agentcredit_advisd/selected_frac"].append(float(selected.sum()) / len(decisions))
         m["agentcredit_advisd/influence"].append(float(influence[valid].mean()))
-        m["agentcredit_advisd/selected_influence"].append(float(influence[selected].mean()))
+        if bool(selected.any()):  # several processes: this one's share of the round's k may be empty
+            m["agentcredit_advisd/selected_influence"].append(float(influence[selected].mean()))
         return output
+
+    def _advisd_select(self, influence: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """This process's selected decisions: ``k = ceil(fraction * n)`` over the whole round, i.e. over every
+        process's decisions when there are several (an all-gather of the influences; the random draw is seeded by
+        ``seed + global_step``, the same on every process)."""
+        p = self._advisd_params
+        gen = torch.Generator().manual_seed(p.seed + int(self.state.global_step))
+        if int(self.accelerator.num_processes) == 1:
+            if not bool(valid.any()):
+                return torch.zeros(valid.shape, dtype=torch.bool)
+            return select_decisions(influence, p.fraction, mode=p.mode, generator=gen, valid=valid)
+        from accelerate.utils import gather_object
+
+        parts = gather_object([(influence.tolist(), valid.tolist())])
+        return select_across(parts, int(self.accelerator.process_index), p.fraction, mode=p.mode, generator=gen)
 
     def _advisd_decision(self, ep, tr: AdvisedTurn) -> dict[str, Any]:
         p, tok = self._advisd_params, self.processing_class

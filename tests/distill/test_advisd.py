@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from distill_plugins.advisd import (AdviSDParams, advice_influence, advice_text, advisd_loss, feedback_text,
-                                    select_count, select_decisions)
+                                    select_across, select_count, select_decisions)
 
 
 def t(x, dtype=torch.float64):
@@ -145,6 +145,40 @@ def test_selection_is_permutation_invariant(values, fraction, rnd):
     # and every selected magnitude is >= every unselected one
     if bool((~sel).any()):
         assert float(x[sel].abs().min()) >= float(x[~sel].abs().max())
+
+
+def test_selection_across_processes_hand_computed():
+    """Two processes, 3 + 2 decisions, fraction 0.4: k = ceil(0.4 * 5) = 2 over the round, both on process 0 (the
+    two largest magnitudes, 5 and -4); process 1 gets none although it holds a local top (2), and an invalid
+    decision never counts."""
+    parts = [([5.0, 0.1, -4.0], [True, True, True]), ([2.0, 9.0], [True, False])]
+    assert select_across(parts, 0, 0.4).tolist() == [True, False, True]
+    assert select_across(parts, 1, 0.4).tolist() == [False, False]
+    # ties go to the lower rank: equal magnitudes on both processes, k = 1
+    tie = [([1.0], [True]), ([-1.0], [True])]
+    assert [select_across(tie, r, 0.5).tolist() for r in (0, 1)] == [[True], [False]]
+    with pytest.raises(ValueError, match="rank"):
+        select_across(parts, 2, 0.4)
+    with pytest.raises(ValueError, match="same length"):
+        select_across([([1.0, 2.0], [True])], 0, 0.5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.floats(-9, 9, allow_nan=False), st.booleans()), max_size=8), min_size=1,
+                max_size=4), st.floats(0.01, 1.0), st.sampled_from(["magnitude", "random"]), st.integers(0, 99))
+def test_selection_across_processes_is_the_global_selection_sliced(procs, fraction, mode, seed):
+    """Every process computing its share from the all-gathered parts (the random mode from the same seed) yields
+    exactly the single-process selection over the whole round: k counts every process's valid decisions."""
+    parts = [([x for x, _ in p], [v for _, v in p]) for p in procs]
+    shares = [select_across(parts, r, fraction, mode=mode, generator=torch.Generator().manual_seed(seed))
+              for r in range(len(parts))]
+    flat_x = t([x for p in procs for x, _ in p])
+    flat_v = torch.tensor([v for p in procs for _, v in p], dtype=torch.bool)
+    whole = select_decisions(flat_x, fraction=fraction, mode=mode, generator=torch.Generator().manual_seed(seed),
+                             valid=flat_v)
+    assert torch.equal(torch.cat(shares), whole)
+    assert int(whole.sum()) == select_count(int(flat_v.sum()), fraction)
+    assert not bool((whole & ~flat_v).any())
 
 
 # ---- advisd_loss --------------------------------------------------------------------------------------------------
