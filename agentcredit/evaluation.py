@@ -16,8 +16,8 @@ from typing import Any
 from .recipe import Recipe, rollout_class
 from .stats import PairedDifference, paired_difference
 
-__all__ = ["evaluate", "check_trained_evaluation", "as_dict", "paired_before_after", "write_eval_episodes",
-           "format_eval_table"]
+__all__ = ["evaluate", "check_trained_evaluation", "recipe_executor", "as_dict", "paired_before_after",
+           "write_eval_episodes", "format_eval_table"]
 
 
 def evaluate(model, tokenizer, recipe: Recipe, executor: Any = None, start: bool = False):
@@ -65,18 +65,29 @@ def check_trained_evaluation(recipe: Recipe) -> None:
                           "the advisor's run started from)")
 
 
+def recipe_executor(recipe: Recipe, tokenizer, device: Any = "cpu"):
+    """The frozen executor the recipe names (``agentcredit.terms.advisd.executor``) on ``device``, for evaluating
+    a trained advisor several times with one load; None for a recipe without the ``advisd`` term; a
+    ``RecipeError`` when the term names none (:func:`check_trained_evaluation`)."""
+    if "advisd" not in recipe.agentcredit.terms:
+        return None
+    check_trained_evaluation(recipe)
+    from .trl.advisd import load_executor
+
+    return load_executor(recipe.agentcredit.terms["advisd"]["executor"], tokenizer).to(device)
+
+
 def _evaluate_advisor(model, tokenizer, recipe: Recipe, executor: Any, start: bool):
     import torch
 
-    from .trl.advisd import evaluate_advisor, load_executor
+    from .trl.advisd import evaluate_advisor
 
     ac, ev = recipe.agentcredit, recipe.agentcredit.eval
     params = dict(ac.terms["advisd"] or {})
     if executor is None and params.get("executor") is None and start:
         executor = model
     elif executor is None:
-        check_trained_evaluation(recipe)
-        executor = load_executor(params["executor"], tokenizer).to(model.device)
+        executor = recipe_executor(recipe, tokenizer, model.device)
     was_training = model.training
     model.eval()
     try:

@@ -119,7 +119,7 @@ def run(recipe: Recipe, checkpoint: str, grid: list[tuple[str, float]], draws: i
     from distill_plugins.sprpo import perturbed
 
     from . import policy
-    from .evaluation import check_trained_evaluation, evaluate
+    from .evaluation import check_trained_evaluation, evaluate, recipe_executor
 
     if recipe.agentcredit.eval is None:
         raise RecipeError("the recipe has no agentcredit.eval block (agentcredit.eval=null); robustness plays its "
@@ -133,15 +133,16 @@ def run(recipe: Recipe, checkpoint: str, grid: list[tuple[str, float]], draws: i
 
     target = check_out_file("--out", target)
     _, tokenizer, model = policy.load_model(recipe, str(model_dir))
+    executor = recipe_executor(recipe, tokenizer, model.device)  # advisd: the advisor is played advising it
 
     def play(kind: str | None, scale: float | None, n: int) -> Cell:
         started, results = time.time(), []
         for draw in range(n):
             if kind is None:
-                results.append(evaluate(model, tokenizer, recipe))
+                results.append(evaluate(model, tokenizer, recipe, executor=executor))
             else:
                 with perturbed(model, kind, scale, seed=draw):
-                    results.append(evaluate(model, tokenizer, recipe))
+                    results.append(evaluate(model, tokenizer, recipe, executor=executor))
         cell = _cell(kind or "clean", scale, results, time.time() - started)
         if echo:
             print(f"agentcredit robustness: {cell.kind} {'' if scale is None else f'{scale:g} '}"

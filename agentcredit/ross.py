@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from . import lifecycle, policy
-from .evaluation import as_dict, evaluate
+from .evaluation import as_dict, check_trained_evaluation, evaluate
 from .recipe import Recipe, RecipeError, resolved_yaml
 
 __all__ = ["SELECTORS", "resolve_selector", "run_ross"]
@@ -89,6 +89,8 @@ def run_ross(recipe: Recipe, archive: str, out: str, *, model_path: str | None =
     if model_path is not None:
         lifecycle.check_model_path("--model", model_path, fix="give the trained model's folder (OUTPUT_DIR/final)")
     lifecycle.check_out_dir("--out", out)
+    if eval and ac.eval is not None:
+        check_trained_evaluation(recipe)  # an advisd advisor is evaluated advising its named executor
     try:
         trajectories = list(read_archive(archive))
     except ValueError as e:

@@ -219,23 +219,20 @@ def select_decisions(influence: torch.Tensor, fraction: float | None = None, *, 
     return out
 
 
-def select_across(parts: Sequence[tuple[Sequence[float], Sequence[bool]]], rank: int, fraction: float, *,
-                  mode: str = "magnitude", generator: torch.Generator | None = None) -> torch.Tensor:
-    """One process's share of a selection over every process's decisions: ``parts[r]`` is process ``r``'s
-    ``(influence, valid)`` (rank order, as an all-gather returns them); the result is the ``rank`` slice of
-    :func:`select_decisions` over their concatenation, so ``k = ceil(fraction * n_valid)`` counts the whole round
-    and ties go to the lower rank, then the earlier decision. ``random`` needs the same ``generator`` state on every
-    process (a shared seed): each then draws the same global sample."""
-    if not 0 <= rank < len(parts):
-        raise ValueError(f"select_across: rank={rank} is not one of the {len(parts)} processes' parts")
+def select_across(parts: Sequence[tuple[Sequence[float], Sequence[bool]]], fraction: float, *,
+                  mode: str = "magnitude", generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """One selection over every process's decisions, as each process's share: ``parts[r]`` is process ``r``'s
+    ``(influence, valid)`` (rank order, as an all-gather returns them); the result's ``r``-th mask is the ``r``
+    slice of :func:`select_decisions` over their concatenation, so ``k = ceil(fraction * n_valid)`` counts the whole
+    round and ties go to the lower rank, then the earlier decision. ``random`` needs the same ``generator`` state on
+    every process (a shared seed): each then draws the same global sample."""
     sizes = [len(inf) for inf, _ in parts]
     if any(len(v) != n for (_, v), n in zip(parts, sizes)):
         raise ValueError("select_across: every process's influence and valid lists must have the same length")
     influence = torch.tensor([float(x) for inf, _ in parts for x in inf], dtype=torch.float64)
     valid = torch.tensor([bool(v) for _, val in parts for v in val], dtype=torch.bool)
     chosen = select_decisions(influence, fraction, mode=mode, generator=generator, valid=valid)
-    start = sum(sizes[:rank])
-    return chosen[start:start + sizes[rank]]
+    return list(torch.split(chosen, sizes))
 
 
 def advisd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,

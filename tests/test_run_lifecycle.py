@@ -445,6 +445,8 @@ def test_ross_refuses_other_envs_mixed_runs_and_missing_paths_before_any_model_l
            "--archive=", "no such archive file", command="ross")
     _fails(capsys, ["ross", recipe, "--archive", str(mixed), "--out", out, "--run-id", "r1", "--model",
                     str(tmp_path / "runs" / "x" / "final")], "--model=", "no such folder", command="ross")
+    _fails(capsys, ["ross", recipe, "--archive", str(mixed), "--out", out, "--run-id", "r2",
+                    "agentcredit.terms={advisd: {}}"], "agentcredit.terms.advisd.executor=PATH", command="ross")
     with pytest.raises(AssertionError, match="a model was loaded"):  # one run picked: on to the model
         cli.main(["ross", recipe, "--archive", str(mixed), "--out", out, "--run-id", "r2"])
 

@@ -39,8 +39,7 @@ from typing import Any
 
 import torch
 
-from distill_plugins.advisd import (advice_influence, advice_text, advisd_loss, feedback_text, select_across,
-                                   select_decisions)
+from distill_plugins.advisd import advice_influence, advice_text, advisd_loss, feedback_text, select_across
 from distill_plugins.terms.advisd import SPEC
 
 from .episodes import TranscriptContext, TurnRecord
@@ -201,6 +200,12 @@ class AdviSDMixin:
             raise ValueError(f"term 'advisd' needs the compact transcript prompt (agentcredit.prompt: compact, "
                              f"rollout: turns); got prompt={rollout.prompt!r}, context {rollout.context.__name__}")
         super().__init__(*args, **kwargs)
+        ds = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        sharded = bool(getattr(self, "is_fsdp_enabled", False)) or int(getattr(ds, "zero_stage", 0) or 0) == 3
+        if sharded and int(self.accelerator.num_processes) > 1:
+            raise ValueError("term 'advisd' cannot run with sharded weights (FSDP or DeepSpeed ZeRO-3) on several "
+                             "processes: its scoring and distillation forwards run only on the processes that hold "
+                             "decisions, and a sharded forward needs every process; use DDP or ZeRO-1/2")
         self._advisd_rollout = rollout
         self._advisd_chunks: list[list[dict[str, Any]]] = []
         tok = self.processing_class
@@ -262,31 +267,34 @@ class AdviSDMixin:
                 model.train(was)
             influence = advice_influence(lw, lo, mask, reduce=p.reduce)
         valid = torch.tensor([len(d["advice"]) > 0 for d in decisions], dtype=torch.bool)
-        selected = self._advisd_select(influence, valid)  # every process joins, with or without decisions
+        # every process joins the selection, with or without decisions; the metrics are the whole round's
+        selected, (r_inf, r_valid, r_sel) = self._advisd_select(influence.double(), valid)
+        if bool(r_valid.any()):
+            m["agentcredit_advisd/selected_frac"].append(float(r_sel.sum()) / len(r_valid))
+            m["agentcredit_advisd/influence"].append(float(r_inf[r_valid].mean()))
+            m["agentcredit_advisd/selected_influence"].append(float(r_inf[r_sel].mean()))
         if not bool(valid.any()):
             return output
         chosen = [dict(d, influence=float(x)) for d, x, s in zip(decisions, influence.tolist(), selected.tolist()) if s]
         self._advisd_chunks = [chosen[j::n] for j in range(n)]
-        m["agentcredit_advisd/selected_frac"].append(float(selected.sum()) / len(decisions))
-        m["agentcredit_advisd/influence"].append(float(influence[valid].mean()))
-        if bool(selected.any()):  # several processes: this one's share of the round's k may be empty
-            m["agentcredit_advisd/selected_influence"].append(float(influence[selected].mean()))
         return output
 
-    def _advisd_select(self, influence: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """This process's selected decisions: ``k = ceil(fraction * n)`` over the whole round, i.e. over every
-        process's decisions when there are several (an all-gather of the influences; the random draw is seeded by
-        ``seed + global_step``, the same on every process)."""
+    def _advisd_select(self, influence: torch.Tensor, valid: torch.Tensor):
+        """This process's selected decisions and the whole round's ``(influence, valid, selected)``: ``k = ceil(
+        fraction * n)`` over every process's decisions when there are several (an all-gather of the influences;
+        the random draw is seeded by ``seed + global_step``, the same on every process)."""
         p = self._advisd_params
-        gen = torch.Generator().manual_seed(p.seed + int(self.state.global_step))
-        if int(self.accelerator.num_processes) == 1:
-            if not bool(valid.any()):
-                return torch.zeros(valid.shape, dtype=torch.bool)
-            return select_decisions(influence, p.fraction, mode=p.mode, generator=gen, valid=valid)
-        from accelerate.utils import gather_object
+        parts = [(influence.tolist(), valid.tolist())]
+        if int(self.accelerator.num_processes) > 1:
+            from accelerate.utils import gather_object
 
-        parts = gather_object([(influence.tolist(), valid.tolist())])
-        return select_across(parts, int(self.accelerator.process_index), p.fraction, mode=p.mode, generator=gen)
+            parts = gather_object(parts)
+        gen = torch.Generator().manual_seed(p.seed + int(self.state.global_step))
+        shares = select_across(parts, p.fraction, mode=p.mode, generator=gen)
+        r_inf = torch.tensor([float(x) for inf, _ in parts for x in inf], dtype=torch.float64)
+        r_valid = torch.tensor([bool(v) for _, val in parts for v in val], dtype=torch.bool)
+        rank = int(self.accelerator.process_index) if len(parts) > 1 else 0
+        return shares[rank], (r_inf, r_valid, torch.cat(shares))
 
     def _advisd_decision(self, ep, tr: AdvisedTurn) -> dict[str, Any]:
         p, tok = self._advisd_params, self.processing_class

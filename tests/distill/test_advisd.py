@@ -148,30 +148,30 @@ def test_selection_is_permutation_invariant(values, fraction, rnd):
 
 
 def test_selection_across_processes_hand_computed():
-    """Two processes, 3 + 2 decisions, fraction 0.4: k = ceil(0.4 * 5) = 2 over the round, both on process 0 (the
-    two largest magnitudes, 5 and -4); process 1 gets none although it holds a local top (2), and an invalid
-    decision never counts."""
+    """Two processes, 3 + 2 decisions of which 4 are valid. Fraction 0.6: k = ceil(0.6 * 4) = 3 over the round,
+    the three largest valid magnitudes 5, -4 and 2 across both processes; the invalid 9 never counts. Fraction 0.5:
+    k = ceil(0.5 * 4) = 2 (counting all 5 would give 3), both on process 0, none on process 1 although it holds a
+    local top (2)."""
     parts = [([5.0, 0.1, -4.0], [True, True, True]), ([2.0, 9.0], [True, False])]
-    assert select_across(parts, 0, 0.4).tolist() == [True, False, True]
-    assert select_across(parts, 1, 0.4).tolist() == [False, False]
+    assert [m.tolist() for m in select_across(parts, 0.6)] == [[True, False, True], [True, False]]
+    assert [m.tolist() for m in select_across(parts, 0.5)] == [[True, False, True], [False, False]]
     # ties go to the lower rank: equal magnitudes on both processes, k = 1
-    tie = [([1.0], [True]), ([-1.0], [True])]
-    assert [select_across(tie, r, 0.5).tolist() for r in (0, 1)] == [[True], [False]]
-    with pytest.raises(ValueError, match="rank"):
-        select_across(parts, 2, 0.4)
+    assert [m.tolist() for m in select_across([([1.0], [True]), ([-1.0], [True])], 0.5)] == [[True], [False]]
+    # a process without decisions still gets its (empty) share
+    assert [m.tolist() for m in select_across([([], []), ([3.0], [True])], 1.0)] == [[], [True]]
     with pytest.raises(ValueError, match="same length"):
-        select_across([([1.0, 2.0], [True])], 0, 0.5)
+        select_across([([1.0, 2.0], [True])], 0.5)
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.lists(st.tuples(st.floats(-9, 9, allow_nan=False), st.booleans()), max_size=8), min_size=1,
                 max_size=4), st.floats(0.01, 1.0), st.sampled_from(["magnitude", "random"]), st.integers(0, 99))
 def test_selection_across_processes_is_the_global_selection_sliced(procs, fraction, mode, seed):
-    """Every process computing its share from the all-gathered parts (the random mode from the same seed) yields
+    """Every process computing the shares from the all-gathered parts (the random mode from the same seed) yields
     exactly the single-process selection over the whole round: k counts every process's valid decisions."""
     parts = [([x for x, _ in p], [v for _, v in p]) for p in procs]
-    shares = [select_across(parts, r, fraction, mode=mode, generator=torch.Generator().manual_seed(seed))
-              for r in range(len(parts))]
+    shares = select_across(parts, fraction, mode=mode, generator=torch.Generator().manual_seed(seed))
+    assert [len(m) for m in shares] == [len(p) for p in procs]
     flat_x = t([x for p in procs for x, _ in p])
     flat_v = torch.tensor([v for p in procs for _, v in p], dtype=torch.bool)
     whole = select_decisions(flat_x, fraction=fraction, mode=mode, generator=torch.Generator().manual_seed(seed),
