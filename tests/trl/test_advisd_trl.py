@@ -216,3 +216,36 @@ def test_the_recipe_evaluation_plays_an_advisd_policy_as_the_advisor_of_its_exec
     by_hand = evaluate_advisor(model, load_executor("tiny-qwen2", tok), tok, "minigrid",
                                dict(recipe.agentcredit.env_options), range(30000, 30003), **kw)
     assert answers(res) == answers(by_hand) != answers(start)
+
+
+def test_several_processes_select_over_the_whole_round(tmp_path, monkeypatch):
+    """With 2 processes the mixin all-gathers (influence, valid) and keeps its share of one round-wide selection:
+    process 1 here holds the round's largest influence but also the lowest, and k = ceil(0.5 * 4) = 2 counts both
+    processes' decisions; the logged round metrics are the whole round's."""
+    from types import SimpleNamespace
+
+    import accelerate.utils
+
+    trainer, _ = _advisd_trainer({"fraction": 0.5}, tmp_path / "mp")
+    other = ([0.2, 3.0], [True, True])  # process 0's decisions
+    seen = []
+
+    def gather(obj):
+        seen.append(obj)
+        return [other, *obj]
+
+    monkeypatch.setattr(accelerate.utils, "gather_object", gather)
+    monkeypatch.setattr(trainer, "accelerator", SimpleNamespace(num_processes=2, process_index=1))
+    mine, (inf, valid, sel) = trainer._advisd_select(torch.tensor([5.0, 0.1], dtype=torch.float64),
+                                                     torch.tensor([True, True]))
+    assert seen == [[([5.0, 0.1], [True, True])]]
+    assert mine.tolist() == [True, False] and sel.tolist() == [False, True, True, False]
+    assert inf.tolist() == [0.2, 3.0, 5.0, 0.1] and valid.all()
+    # alone (one process) the same two decisions would select one of its own: k = ceil(0.5 * 2) = 1
+    monkeypatch.setattr(trainer, "accelerator", SimpleNamespace(num_processes=1, process_index=0))
+    alone, _ = trainer._advisd_select(torch.tensor([5.0, 0.1], dtype=torch.float64), torch.tensor([True, True]))
+    assert alone.tolist() == [True, False] and len(seen) == 1
+    # a process without decisions still joins the gather and gets an empty share
+    monkeypatch.setattr(trainer, "accelerator", SimpleNamespace(num_processes=2, process_index=1))
+    empty, (_, _, sel) = trainer._advisd_select(torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.bool))
+    assert empty.tolist() == [] and sel.tolist() == [False, True] and len(seen) == 2
