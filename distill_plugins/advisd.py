@@ -29,7 +29,8 @@ from credit_plugins.estimator import param, params_dataclass
 
 from .losses import reverse_kl
 
-__all__ = ["AdviSDParams", "advice_influence", "select_count", "select_decisions", "select_across", "advisd_loss",
+__all__ = ["AdviSDParams", "advice_influence", "select_count", "select_decisions", "select_across", "flatten_parts",
+           "advisd_loss",
            "feedback_text", "advice_text",
            "FORMULA", "MODES", "REDUCES", "FEEDBACK_FIELDS"]
 
@@ -219,6 +220,18 @@ def select_decisions(influence: torch.Tensor, fraction: float | None = None, *, 
     return out
 
 
+def flatten_parts(parts: Sequence[tuple[Sequence[float], Sequence[bool]]]
+                  ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The round of :func:`select_across` as one table: ``parts[r]`` is process ``r``'s ``(influence, valid)``;
+    returns their concatenations (``float64`` influence, ``bool`` valid, rank order) and each process's size."""
+    sizes = [len(inf) for inf, _ in parts]
+    if any(len(v) != n for (_, v), n in zip(parts, sizes)):
+        raise ValueError("select_across: every process's influence and valid lists must have the same length")
+    influence = torch.tensor([float(x) for inf, _ in parts for x in inf], dtype=torch.float64)
+    valid = torch.tensor([bool(v) for _, val in parts for v in val], dtype=torch.bool)
+    return influence, valid, sizes
+
+
 def select_across(parts: Sequence[tuple[Sequence[float], Sequence[bool]]], fraction: float, *,
                   mode: str = "magnitude", generator: torch.Generator | None = None) -> list[torch.Tensor]:
     """One selection over every process's decisions, as each process's share: ``parts[r]`` is process ``r``'s
@@ -226,11 +239,7 @@ def select_across(parts: Sequence[tuple[Sequence[float], Sequence[bool]]], fract
     slice of :func:`select_decisions` over their concatenation, so ``k = ceil(fraction * n_valid)`` counts the whole
     round and ties go to the lower rank, then the earlier decision. ``random`` needs the same ``generator`` state on
     every process (a shared seed): each then draws the same global sample."""
-    sizes = [len(inf) for inf, _ in parts]
-    if any(len(v) != n for (_, v), n in zip(parts, sizes)):
-        raise ValueError("select_across: every process's influence and valid lists must have the same length")
-    influence = torch.tensor([float(x) for inf, _ in parts for x in inf], dtype=torch.float64)
-    valid = torch.tensor([bool(v) for _, val in parts for v in val], dtype=torch.bool)
+    influence, valid, sizes = flatten_parts(parts)
     chosen = select_decisions(influence, fraction, mode=mode, generator=generator, valid=valid)
     return list(torch.split(chosen, sizes))
 

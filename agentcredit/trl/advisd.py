@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 
-from distill_plugins.advisd import advice_influence, advice_text, advisd_loss, feedback_text, select_across
+from distill_plugins.advisd import (advice_influence, advice_text, advisd_loss, feedback_text, flatten_parts,
+                                    select_across)
 from distill_plugins.terms.advisd import SPEC
 
 from .episodes import TranscriptContext, TurnRecord
@@ -291,8 +292,7 @@ class AdviSDMixin:
             parts = gather_object(parts)
         gen = torch.Generator().manual_seed(p.seed + int(self.state.global_step))
         shares = select_across(parts, p.fraction, mode=p.mode, generator=gen)
-        r_inf = torch.tensor([float(x) for inf, _ in parts for x in inf], dtype=torch.float64)
-        r_valid = torch.tensor([bool(v) for _, val in parts for v in val], dtype=torch.bool)
+        r_inf, r_valid, _ = flatten_parts(parts)
         rank = int(self.accelerator.process_index) if len(parts) > 1 else 0
         return shares[rank], (r_inf, r_valid, torch.cat(shares))
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from distill_plugins.advisd import (AdviSDParams, advice_influence, advice_text, advisd_loss, feedback_text,
-                                    select_across, select_count, select_decisions)
+                                    flatten_parts, select_across, select_count, select_decisions)
 
 
 def t(x, dtype=torch.float64):
@@ -161,6 +161,17 @@ def test_selection_across_processes_hand_computed():
     assert [m.tolist() for m in select_across([([], []), ([3.0], [True])], 1.0)] == [[], [True]]
     with pytest.raises(ValueError, match="same length"):
         select_across([([1.0, 2.0], [True])], 0.5)
+
+
+def test_flatten_parts_concatenates_in_rank_order():
+    """The round table the mixin logs from: rank order, float64 influence, bool valid, one size per process (an
+    empty process keeps its 0); unequal lists are refused."""
+    influence, valid, sizes = flatten_parts([([1, -2.5], [1, 0]), ([], []), ([4.0], [True])])
+    assert influence.dtype == torch.float64 and influence.tolist() == [1.0, -2.5, 4.0]
+    assert valid.dtype == torch.bool and valid.tolist() == [True, False, True]
+    assert sizes == [2, 0, 1]
+    with pytest.raises(ValueError, match="same length"):
+        flatten_parts([([1.0], [True, False])])
 
 
 @settings(max_examples=60, deadline=None)
