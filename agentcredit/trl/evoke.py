@@ -31,15 +31,14 @@ from typing import Any
 
 import torch
 
-from distill_plugins.evoke import evoke_loss, ranking_accuracy, weight_at
+from distill_plugins.evoke import candidate_batch, evoke_loss, group_scores, ranking_accuracy, weight_at
 from distill_plugins.terms.evoke import SPEC
 
 from ..state import load_state
 from ._compat import checkpoint_folder
 from .prompts import ACTION_STOP
 
-__all__ = ["TermMixin", "EVOKEMixin", "STATE_FILE", "candidate_batch", "group_scores", "score_groups",
-           "goal_swap_groups"]
+__all__ = ["TermMixin", "EVOKEMixin", "STATE_FILE", "score_groups", "goal_swap_groups"]
 
 STATE_FILE = "agentcredit_evoke.pt"
 
@@ -181,40 +180,6 @@ TermMixin = EVOKEMixin
 
 def _pad_id(tokenizer) -> int:
     return int(tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id)
-
-
-def candidate_batch(groups: list[dict[str, Any]], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every (group, candidate) as one row, TRL's completion layout: ``ids`` / ``att`` ``[N, P + L]`` (prompt
-    left-padded to P, answer right-padded to L) and the answer mask ``[N, L]``."""
-    rows = [(g["prompt"], a) for g in groups for a in g["answers"]]
-    p_len = max(len(p) for p, _ in rows)
-    a_len = max(len(a) for _, a in rows)
-    ids = torch.full((len(rows), p_len + a_len), pad, dtype=torch.long)
-    att = torch.zeros_like(ids)
-    amask = torch.zeros(len(rows), a_len)
-    for i, (p, a) in enumerate(rows):
-        ids[i, p_len - len(p):p_len] = torch.tensor(p)
-        ids[i, p_len:p_len + len(a)] = torch.tensor(a)
-        att[i, p_len - len(p):p_len + len(a)] = 1
-        amask[i, :len(a)] = 1
-    return ids, att, amask
-
-
-def group_scores(logps: torch.Tensor, amask: torch.Tensor, groups: list[dict[str, Any]]
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The answer log-probs ``logps`` ``[N, L]`` of :func:`candidate_batch`'s rows summed per answer and laid out as
-    ``[G, A]`` scores, with the groups' values and the candidate mask (padding columns: score 0, masked)."""
-    seq = (logps.float() * amask.to(logps.device)).sum(1)
-    width = max(len(g["answers"]) for g in groups)
-    group = torch.tensor([j for j, g in enumerate(groups) for _ in g["answers"]], device=seq.device)
-    slot = torch.tensor([i for g in groups for i in range(len(g["answers"]))], device=seq.device)
-    scores = seq.new_zeros(len(groups), width).index_put((group, slot), seq)
-    values = torch.zeros(len(groups), width, dtype=torch.float64)
-    mask = torch.zeros(len(groups), width, dtype=torch.bool)
-    for j, g in enumerate(groups):
-        values[j, :len(g["values"])] = torch.tensor(g["values"], dtype=torch.float64)
-        mask[j, :len(g["values"])] = True
-    return scores, values.to(scores.device), mask.to(scores.device)
 
 
 @torch.no_grad()

@@ -8,7 +8,8 @@ process. On import it
   metadata, estimator state in checkpoints);
 * installs the distillation hooks of :mod:`.distill` (loss modes, scheduler, scheduler state in checkpoints);
 * installs the SPrPO hooks of :mod:`.sprpo` (``+algorithm.agentcredit_sprpo``: the actor's perturbed training
-  forward, its controller and its state in checkpoints);
+  forward, its controller and its state in checkpoints) and the EVOKE hooks of :mod:`.evoke`
+  (``+algorithm.agentcredit_evoke``: the sampled goal rankings handed to the actor, the ranking term in its loss);
 * checks ``algorithm.adv_estimator`` and agentcredit's ``algorithm.*`` blocks when the driver starts, inside verl's
   ``validate_config``, before Ray and the models (:mod:`.preflight`): a typo fails in seconds, with suggestions;
 * makes verl's TRL probe in ``apply_monkey_patch`` see the truth (:mod:`.trl_probe`), so a real verl run works
@@ -47,7 +48,7 @@ import logging
 
 from credit_plugins import registry
 
-from . import distill, hooks, preflight, sprpo, trl_probe
+from . import distill, evoke, hooks, preflight, sprpo, trl_probe
 from ._compat import install_post_import_hooks
 from .adapter import make_verl_estimator
 
@@ -84,6 +85,7 @@ try:
     hooks.install()
     distill.install()
     sprpo.install()
+    evoke.install()
     install_post_import_hooks({"verl.experimental.agent_loop.agent_loop": register_agent_loops},
                               "the agentcredit agent loops are not registered by name")
     install_post_import_hooks({"verl.utils.config": preflight.patch_config_module},

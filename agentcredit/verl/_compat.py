@@ -132,6 +132,23 @@ def algorithm_mapping(algorithm: Any, key: str, valid) -> dict[str, Any] | None:
     return dict(value)
 
 
+def term_params(algorithm: Any, key: str, term: str, example: str):
+    """The loss term ``term``'s parameters from the mapping ``algorithm.<key>`` (None when unset), checked by the
+    term's own rules; a ``ValueError`` names the entry (``example``: a valid override, shown when it is no mapping)."""
+    from credit_plugins import registry
+
+    block = algorithm_entry(algorithm, key)
+    if block is None:
+        return None
+    if not isinstance(block, dict):
+        raise ValueError(f"algorithm.{key} must be a mapping of the {term} term's parameters (agentcredit describe "
+                         f"{term}), e.g. +algorithm.{key}={example}; got {block!r}")
+    try:
+        return registry.get(term, kind="terms").make_params(**block)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"algorithm.{key}: {e}") from e
+
+
 def save_folder(trainer) -> str | None:
     """The ``global_step_N`` folder verl's ``_save_checkpoint`` just wrote: always under
     ``trainer.default_local_dir`` (also after ``resume_mode=resume_path``: verl saves new checkpoints there, never

@@ -106,6 +106,7 @@ teacher log-probs for a loop's final output only; :mod:`agentcredit.verl.distill
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -123,7 +124,9 @@ from env_adapters.memory_context import ACTION_OPEN, MEMORY_OPEN, MemoryTrack, a
 from env_adapters.prompting import build_prompt, parse_action
 
 from .contract import ENV_ERROR, ENV_ERROR_DETAIL, FAULT_ROW
-from .guided import teacher_sampling_params, turn_guide
+from .evoke import FIELD as EVOKE_FIELD
+from .evoke import evoke_params, goal_seed, rank_goals, turn_groups
+from .guided import WORKER, teacher_sampling_params, turn_guide
 from .loop_common import SERVER_KEYS, plain, sample_field
 
 __all__ = ["EnvAgentLoop", "AGENT_NAME", "SAMPLE_FIELDS"]
@@ -198,6 +201,11 @@ class EnvAgentLoop(AgentLoopBase):
             raise ValueError(f"max_steps={self.max_steps}; an episode needs at least one step")
         self.context = context
         self.response_length = self.rollout_config.response_length
+        # EVOKE (agentcredit.verl.evoke): each training turn also carries the env solver's goal rankings
+        self.evoke = evoke_params(self.config.get("algorithm", None)) if hasattr(self.config, "get") else None
+        if self.evoke is not None and context != "transcript":
+            raise ValueError("algorithm.agentcredit_evoke ranks <action>...</action> answers after the turn's prompt; "
+                             "it needs the loop's transcript context, not context: memory")
         if env_backend == "ray":
             from . import env_actors  # noqa: F401  (registers the ray backend)
         self.envs = shared_executor(backend=str(env_backend), workers=int(env_workers), timeout_s=env_timeout_s,
@@ -309,6 +317,8 @@ class EnvAgentLoop(AgentLoopBase):
                     ccm = {"prompt_tokens": len(prompt_ids),
                            "full_prompt_tokens": len(self.tokenizer.encode(full, add_special_tokens=False))
                            + len(prefill), "ccm_teacher_prompt_ids": teacher_ids}
+                goal_groups = (await self._goal_groups(handle, prompt_ids, kwargs, t)
+                               if self.evoke is not None else None)
                 metrics: dict[str, Any] = {}
                 by_teacher = guide is not None and guide.teacher_turn()  # Guided-OPD: the teacher writes this turn
                 with simple_timer("generate_sequences", metrics):
@@ -338,6 +348,8 @@ class EnvAgentLoop(AgentLoopBase):
                 turn = await handle.apply(turns.act, action_text, *(extras or (None, ())),
                                           descriptors=self.descriptors)
                 action_key, more, result = turn.action_key, dict(turn.extras), turn.result
+                if goal_groups is not None:
+                    more[EVOKE_FIELD] = goal_groups
                 penalty = 0.0
                 if track is not None:  # the memory is updated from the observation it was given
                     mem = track.step(observation, text, action_key)
@@ -368,6 +380,19 @@ class EnvAgentLoop(AgentLoopBase):
                 self.envs.release(handle)
         return self._outputs(steps, done, success, fault, kwargs)
 
+    async def _goal_groups(self, handle, prompt_ids: list[int], kwargs: Mapping[str, Any], t: int) -> list:
+        """EVOKE's groups of one training turn (:func:`agentcredit.verl.evoke.turn_groups`; ``[]`` when validating):
+        the rankings on the env executor, the tokenization off the event loop."""
+        if (WORKER.get() or {}).get("validate", False):
+            return []
+        seed = goal_seed(self.evoke.seed, plain(sample_field(kwargs, "index", kwargs.get("uid"))),
+                         kwargs.get("session_id"), kwargs.get("global_steps"), t)
+        rankings = await handle.apply(rank_goals, self.evoke.goals, seed)
+        if not rankings:
+            return []
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, turn_groups, self.tokenizer, list(prompt_ids), rankings)
+
     def _outputs(self, steps: list[dict[str, Any]], done: bool, success: bool, fault: EnvFault | None,
                  kwargs: Mapping[str, Any]) -> list[AgentLoopOutput]:
         """One ``AgentLoopOutput`` per step, with the episode-level fields on every row (see the module doc)."""
@@ -380,6 +405,8 @@ class EnvAgentLoop(AgentLoopBase):
         for i, s in enumerate(steps):
             extra = dict(s["extra"], success=success, truncated=not done,
                          reward_extra_info=dict(reward_extra_info), **error)
+            if self.evoke is not None:  # every row carries the key (fault rows too): verl's balancing needs it
+                extra.setdefault(EVOKE_FIELD, [])
             # a teacher turn and a fault placeholder have no policy server's versions: the episode's
             extra.update(versions if s["extra"].get("by_teacher") or s["extra"].get(FAULT_ROW) else
                          {k: s["server_extra"].get(k) for k in SERVER_KEYS})

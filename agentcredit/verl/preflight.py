@@ -17,7 +17,7 @@ What is checked (each error names the entry and, for a name, suggests the closes
   estimator (``+algorithm.gigpoo.step_weight=0.5``);
 * the blocks ``agentcredit_distill`` (keys, schedule name, scheduler parameters, loss parameters),
   ``agentcredit_ccm``, ``agentcredit_hindsight``, ``agentcredit_archive``, ``agentcredit_sprpo`` (the term's
-  parameters), ``agentcredit_max_env_error_rate``,
+  parameters), ``agentcredit_evoke`` (the term's parameters; v1 trainer, no Ulysses), ``agentcredit_max_env_error_rate``,
   ``agentcredit_adv_scale`` (a valid scale, and only with an agentcredit estimator), and the Guided-OPD requirements
   (:func:`agentcredit.verl.guided.check_config`);
 * with ``distillation.enabled``, the teacher's resource pool ``distillation.n_gpus_per_node`` / ``nnodes`` (verl's own
@@ -47,13 +47,16 @@ from .hindsight import same_layout
 from .hooks import MAX_ENV_ERROR_RATE_KEY, adv_scale_asked
 from .loop_common import CONFIG_KEY as DISTILL_KEY
 from .loop_common import distill_block
+from .evoke import CONFIG_KEY as EVOKE_KEY
+from .evoke import check_config as check_evoke
 from .sprpo import CONFIG_KEY as SPRPO_KEY
 from .sprpo import sprpo_params
 
 __all__ = ["BLOCKS", "check_config", "wrap_validate_config"]
 
 #: agentcredit's own ``algorithm.*`` entries
-BLOCKS = (DISTILL_KEY, CCM_KEY, HINDSIGHT_KEY, ARCHIVE_KEY, MAX_ENV_ERROR_RATE_KEY, ADV_SCALE_KEY, SPRPO_KEY)
+BLOCKS = (DISTILL_KEY, CCM_KEY, HINDSIGHT_KEY, ARCHIVE_KEY, MAX_ENV_ERROR_RATE_KEY, ADV_SCALE_KEY, SPRPO_KEY,
+          EVOKE_KEY)
 
 
 def _suggest(name: str, choices: Iterable[str]) -> str:
@@ -137,6 +140,7 @@ def _check_blocks(config: Any, algorithm: Any) -> None:
     same_layout(config)
     archive_path(algorithm)
     sprpo_params(algorithm)
+    check_evoke(config)
     limit = algorithm_entry(algorithm, MAX_ENV_ERROR_RATE_KEY)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
                               or not 0.0 <= float(limit) <= 1.0):

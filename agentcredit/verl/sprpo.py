@@ -26,10 +26,9 @@ import logging
 import math
 from typing import Any
 
-from credit_plugins import registry
 from distill_plugins.sprpo import SensitivityController, hidden_noise, k3_sensitivity
 
-from ._compat import algorithm_entry, checkpoint_wraps, install_post_import_hooks, wraps_once
+from ._compat import checkpoint_wraps, install_post_import_hooks, term_params, wraps_once
 
 __all__ = ["CONFIG_KEY", "STATE_FILE", "sprpo_params", "install"]
 
@@ -48,16 +47,7 @@ CONTROLLER: dict[str, Any] = {}
 
 def sprpo_params(algorithm: Any):
     """The term's parameters from ``algorithm.agentcredit_sprpo`` (None when absent); a ``ValueError`` names the key."""
-    block = algorithm_entry(algorithm, CONFIG_KEY)
-    if block is None:
-        return None
-    if not isinstance(block, dict):
-        raise ValueError(f"algorithm.{CONFIG_KEY} must be a mapping of the sprpo term's parameters (agentcredit "
-                         f"describe sprpo), e.g. +algorithm.{CONFIG_KEY}={{sigma: 0.05}}; got {block!r}")
-    try:
-        return registry.get("sprpo", kind="terms").make_params(**block)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"algorithm.{CONFIG_KEY}: {e}") from e
+    return term_params(algorithm, CONFIG_KEY, "sprpo", "{sigma: 0.05}")
 
 
 def _controller(trainer) -> SensitivityController | None:

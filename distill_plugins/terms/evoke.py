@@ -17,4 +17,4 @@ SPEC = TermSpec(
     formula=FORMULA,
     reads="an env with goal_rankings(k, rng) (synthetic; minigrid task 'goal') and the one-row-per-turn rollout "
           "(agentcredit.rollout: turns); one extra forward over the candidate answers under the alternative goals",
-    bridges=("trl",))
+    bridges=("trl", "verl"))

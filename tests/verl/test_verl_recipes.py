@@ -23,6 +23,8 @@ pytest.importorskip("verl")
 hydra = pytest.importorskip("hydra")
 from omegaconf import OmegaConf  # noqa: E402
 
+from agentcredit.verl.preflight import BLOCKS  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "recipes" / "verl"
 RECIPE_FILES = sorted(RECIPES.glob("*.yaml"))
@@ -81,12 +83,14 @@ def _loop_of(name: str) -> tuple[str, str, int]:
 
 #: distillation recipes: the schedule their name ends with, and the estimator of their RL term
 DISTILL_RECIPES = {"opw": "gigpo"}
-#: recipes named by a method that is not their estimator: the distillation ones and CCM's memory context (GRPO)
-ESTIMATOR_OF = {**DISTILL_RECIPES, "ccm": "gigpo"}
+#: recipes named by a method that is not their estimator: the distillation ones, CCM's memory context (GRPO) and
+#: the loss terms (EVOKE next to GiGPO)
+ESTIMATOR_OF = {**DISTILL_RECIPES, "ccm": "gigpo", "evoke": "gigpo"}
 #: agentcredit's distillation block: a raw extra key of ``algorithm`` (verl never turns it into a dataclass)
 DISTILL_BLOCK = "algorithm.agentcredit_distill"
-#: every raw ``algorithm`` block of agentcredit's (distillation, CCM's distillation term, the ROSS archive)
-AGENTCREDIT_BLOCKS = (DISTILL_BLOCK, "algorithm.agentcredit_ccm", "algorithm.agentcredit_archive")
+#: every raw ``algorithm`` block of agentcredit's (distillation, CCM's term, the ROSS archive, the terms, ...): the
+#: preflight's list, which refuses any other ``algorithm.agentcredit_*`` key
+AGENTCREDIT_BLOCKS = tuple(f"algorithm.{b}" for b in BLOCKS)
 
 
 def _expected_estimator(name: str) -> str:
