@@ -65,6 +65,7 @@ response tokens with ``response_mask`` 1 (at most ``rollout.response_length``), 
     env_error / env_error_detail / env_fault_row   the env fault of the episode (see below; "" / "" / False)
     min_global_steps / max_global_steps   the rollout server's weight versions (None when it reports none)
     reward_extra_info   {"success": 0/1, "episode_return": sum r_t, "episode_steps": T}
+    evoke_groups  only with algorithm.agentcredit_evoke: the turn's goal-ranking groups (agentcredit.verl.evoke)
 
 Env work and faults
 -------------------
