@@ -126,7 +126,7 @@ from env_adapters.prompting import build_prompt, parse_action
 
 from .contract import ENV_ERROR, ENV_ERROR_DETAIL, FAULT_ROW
 from .evoke import FIELD as EVOKE_FIELD
-from .evoke import evoke_params, goal_seed, rank_goals, turn_groups
+from .evoke import evoke_params, goal_error, goal_seed, rank_goals, turn_groups
 from .guided import WORKER, teacher_sampling_params, turn_guide
 from .loop_common import SERVER_KEYS, plain, sample_field
 
@@ -294,6 +294,7 @@ class EnvAgentLoop(AgentLoopBase):
         fault: EnvFault | None = None
         guide = turn_guide(self.config, kwargs)  # Guided-OPD (agentcredit.verl.guided), else None
         handle = None
+        goal_task: asyncio.Future | None = None
         try:
             # every env call runs on the env executor (thread pool / process / actor), never on this event loop
             handle = await self.envs.acquire(name, options)
@@ -318,8 +319,9 @@ class EnvAgentLoop(AgentLoopBase):
                     ccm = {"prompt_tokens": len(prompt_ids),
                            "full_prompt_tokens": len(self.tokenizer.encode(full, add_special_tokens=False))
                            + len(prefill), "ccm_teacher_prompt_ids": teacher_ids}
-                goal_groups = (await self._goal_groups(handle, prompt_ids, kwargs, t)
-                               if self.evoke is not None else None)
+                # EVOKE: the env ranks the goals while the policy generates (the env waits for the action anyway)
+                goal_task = (asyncio.ensure_future(self._goal_groups(handle, prompt_ids, kwargs, t))
+                             if self.evoke is not None else None)
                 metrics: dict[str, Any] = {}
                 by_teacher = guide is not None and guide.teacher_turn()  # Guided-OPD: the teacher writes this turn
                 with simple_timer("generate_sequences", metrics):
@@ -345,12 +347,14 @@ class EnvAgentLoop(AgentLoopBase):
                     text = MEMORY_OPEN + text
 
                 action_text = parse_action(text)
+                if goal_task is not None:  # the rankings of this decision state, before the env acts
+                    await goal_task
                 # one round trip: the canonical action, the decision-state extras, then the step
                 turn = await handle.apply(turns.act, action_text, *(extras or (None, ())),
                                           descriptors=self.descriptors)
                 action_key, more, result = turn.action_key, dict(turn.extras), turn.result
-                if goal_groups is not None:
-                    more[EVOKE_FIELD] = goal_groups
+                if goal_task is not None:
+                    more[EVOKE_FIELD] = goal_task.result()
                 penalty = 0.0
                 if track is not None:  # the memory is updated from the observation it was given
                     mem = track.step(observation, text, action_key)
@@ -377,6 +381,10 @@ class EnvAgentLoop(AgentLoopBase):
             if not steps:
                 steps.append(await self._fault_row(system, name, fault, bool(sampling_params.get("logprobs"))))
         finally:
+            if goal_task is not None and not goal_task.done():  # the episode ended before the turn did
+                goal_task.cancel()
+            elif goal_task is not None and not goal_task.cancelled():
+                goal_task.exception()  # retrieved: an error that another one preempted is not logged as lost
             if handle is not None:
                 self.envs.release(handle)
         return self._outputs(steps, done, success, fault, kwargs)
@@ -388,7 +396,9 @@ class EnvAgentLoop(AgentLoopBase):
             return []
         seed = goal_seed(self.evoke.seed, plain(sample_field(kwargs, "index", kwargs.get("uid"))),
                          kwargs.get("session_id"), kwargs.get("global_steps"), t)
-        rankings = await handle.apply(rank_goals, self.evoke.goals, seed)
+        rankings, why = await handle.apply(rank_goals, self.evoke.goals, seed)
+        if why is not None:
+            raise goal_error(why)
         if not rankings:
             return []
         loop = asyncio.get_running_loop()

@@ -384,6 +384,73 @@ def test_scripted_valid_rollouts_give_step_level_advantages(transfer_queue, mode
     _check_padding(transfer_queue, keys, config, adv, tok.eos_token_id)
 
 
+@pytest.mark.parametrize("case", ["train", "validation"])
+def test_evoke_rows_carry_each_training_turns_goal_rankings(transfer_queue, model_and_tokenizer, case):
+    """EVOKE on verl (``algorithm.agentcredit_evoke``): each training turn's row carries the env solver's rankings at
+    that decision state as groups (the turn's own prompt rewritten per goal, ``<action>a</action>`` candidates, the
+    values), the goals drawn from the term's seed, the row, the session, the step and the turn (replayed here on a
+    fresh env); validation turns carry ``[]``. After verl's batch balancing the driver never draws a padding row
+    (a copy of the first row's fields)."""
+    import random
+
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.padding_utils import upsample_batch_to_divisible_size
+
+    from agentcredit.verl import evoke
+
+    model, tok = model_and_tokenizer
+    config = _config()
+    config.algorithm.agentcredit_evoke = {"goals": 2, "seed": 4}
+    plays = [["turn left", "forward", "turn left"], ["turn right", "turn right", "forward"]]
+    servers = [HFServer(model, tok, list(p)) for p in plays]
+    uid = f"evoke_{case}"
+    validation = case == "validation"
+    _rollout_group(config, servers, tok, uid=uid, max_steps=3, validate=validation)
+    rows = _rows(transfer_queue, uid, 2, partition="val" if validation else "train")
+    _check_contract(rows, 3)
+    for s, steps in rows.items():
+        env = env_adapters.make("minigrid", **ENV_OPTIONS)
+        env.reset(SEED)
+        for t, r in enumerate(steps):
+            groups = r["extra"][evoke.FIELD]
+            if validation:
+                assert groups == []
+            else:
+                rankings = env.goal_rankings(2, random.Random(evoke.goal_seed(4, 0, s, 1, t)))
+                want = evoke.turn_groups(tok, servers[s].calls[t]["prompt_ids"], rankings)
+                assert len(want) == 2 and [evoke.check_group(g, "row") for g in groups] == want
+                assert all(tok.decode(g["prompt"]) != tok.decode(servers[s].calls[t]["prompt_ids"]) for g in want)
+            env.step(plays[s][t])
+    if validation:
+        return
+    keys = _keys(rows)
+    batch = KVBatchMeta(partition_id="train", keys=keys, tags=[{"status": "success"}] * len(keys))
+    batch = upsample_batch_to_divisible_size(batch, batch_multiple=len(keys) + 3, eos_token_id=tok.eos_token_id)
+    fields = transfer_queue.kv_batch_get(keys=batch.keys, partition_id="train", select_fields=["extra_fields"])
+    padded = list(fields["extra_fields"])
+    padding = [bool(t.get("is_padding", False)) for t in batch.tags]
+    assert padding[-3:] == [True] * 3 and padded[-1][evoke.FIELD]  # the copies carry the first row's groups
+    groups, states = evoke.round_groups(padded, padding, 100, seed=0, step=1)
+    assert states == len(keys) and len(groups) == 2 * len(keys)  # every real row once, no padding copy
+
+
+def test_evoke_refuses_the_memory_context_and_an_env_that_cannot_rank(transfer_queue, model_and_tokenizer, tmp_path):
+    """Configuration errors raise (they are not env faults): CCM's memory context (its answers start inside
+    ``<memory>``), and MiniGrid's DoorKey, whose goal_rankings refuses (rank_goals reports it instead of raising
+    inside the env executor, which would break the env and count as a fault)."""
+    model, tok = model_and_tokenizer
+    config = _config()
+    config.algorithm.agentcredit_evoke = {"goals": 2}
+    from hydra.errors import InstantiationException
+
+    with pytest.raises(InstantiationException, match="transcript context"):  # hydra builds the loop: its wrap
+        _rows_from_config_file(transfer_queue, tmp_path, "evoke_memory", "  max_steps: 1\n  context: memory\n",
+                               [HFServer(model, tok, ["turn left"])], tok, "evoke_memory", config=config, seed=SEED)
+    with pytest.raises(ValueError, match=r"algorithm.agentcredit_evoke: .*goal_rankings refused.*task='goal'"):
+        _rollout_group(config, [HFServer(model, tok, ["turn left"])], tok, uid="evoke_doorkey", env_name="minigrid",
+                       env_options={"size": 5, "task": "doorkey"}, seed=SEED, extra_info={"max_steps": 1})
+
+
 def test_agent_loop_config_file_options_and_an_empty_generation(transfer_queue, model_and_tokenizer, tmp_path):
     """The loop selected through rollout.agent.agent_loop_config_path (hydra _target_, options as constructor
     arguments), a sample with only a seed, and a server that returns no tokens."""
