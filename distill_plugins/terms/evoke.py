@@ -15,6 +15,7 @@ SPEC = TermSpec(
             "alternative goals (same state, same history) against the env solver's ordering; a listwise or pairwise "
             "ranking loss is added to the RL loss.",
     formula=FORMULA,
-    reads="an env with goal_rankings(k, rng) (synthetic; minigrid task 'goal') and the one-row-per-turn rollout "
-          "(agentcredit.rollout: turns); one extra forward over the candidate answers under the alternative goals",
+    reads="an env with goal_rankings(k, rng) (synthetic; minigrid task 'goal') played turn by turn (TRL: the "
+          "one-row-per-turn rollout, agentcredit.rollout: turns; verl: the env loop agentcredit_env); one extra "
+          "forward over the candidate answers under the alternative goals",
     bridges=("trl", "verl"))
