@@ -381,10 +381,11 @@ class EnvAgentLoop(AgentLoopBase):
             if not steps:
                 steps.append(await self._fault_row(system, name, fault, bool(sampling_params.get("logprobs"))))
         finally:
-            if goal_task is not None and not goal_task.done():  # the episode ended before the turn did
-                goal_task.cancel()
-            elif goal_task is not None and not goal_task.cancelled():
-                goal_task.exception()  # retrieved: an error that another one preempted is not logged as lost
+            if goal_task is not None:
+                if not goal_task.done():  # the episode ended mid-turn: the env call ends (within the executor's
+                    await asyncio.wait({goal_task})  # timeout) before the env can go to another session
+                if not goal_task.cancelled():
+                    goal_task.exception()  # retrieved: an error that another one preempted is not logged as lost
             if handle is not None:
                 self.envs.release(handle)
         return self._outputs(steps, done, success, fault, kwargs)

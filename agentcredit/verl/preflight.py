@@ -17,7 +17,8 @@ What is checked (each error names the entry and, for a name, suggests the closes
   estimator (``+algorithm.gigpoo.step_weight=0.5``);
 * the blocks ``agentcredit_distill`` (keys, schedule name, scheduler parameters, loss parameters),
   ``agentcredit_ccm``, ``agentcredit_hindsight``, ``agentcredit_archive``, ``agentcredit_sprpo`` (the term's
-  parameters), ``agentcredit_evoke`` (the term's parameters; v1 trainer, no Ulysses), ``agentcredit_max_env_error_rate``,
+  parameters), ``agentcredit_evoke`` (the term's parameters; v1 trainer, no fused kernels, no Ulysses),
+  ``agentcredit_max_env_error_rate``,
   ``agentcredit_adv_scale`` (a valid scale, and only with an agentcredit estimator), and the Guided-OPD requirements
   (:func:`agentcredit.verl.guided.check_config`);
 * with ``distillation.enabled``, the teacher's resource pool ``distillation.n_gpus_per_node`` / ``nnodes`` (verl's own

@@ -451,6 +451,22 @@ def test_evoke_refuses_the_memory_context_and_an_env_that_cannot_rank(transfer_q
                        env_options={"size": 5, "task": "doorkey"}, seed=SEED, extra_info={"max_steps": 1})
 
 
+def test_evoke_a_failing_generation_waits_for_the_turns_ranking_and_raises(transfer_queue, model_and_tokenizer):
+    """The goals are ranked while the policy generates: when the generation fails, the session still waits for
+    the env call to end before the env goes back to the pool, then raises the generation's error."""
+    model, tok = model_and_tokenizer
+    config = _config()
+    config.algorithm.agentcredit_evoke = {"goals": 2}
+
+    class Broken(HFServer):
+        async def generate(self, request_id, **kwargs):
+            await asyncio.sleep(0)
+            raise RuntimeError("rollout server gone")
+
+    with pytest.raises(RuntimeError, match="rollout server gone"):
+        _rollout_group(config, [Broken(model, tok)], tok, uid="evoke_broken", max_steps=2)
+
+
 def test_agent_loop_config_file_options_and_an_empty_generation(transfer_queue, model_and_tokenizer, tmp_path):
     """The loop selected through rollout.agent.agent_loop_config_path (hydra _target_, options as constructor
     arguments), a sample with only a seed, and a server that returns no tokens."""

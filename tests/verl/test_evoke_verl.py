@@ -29,7 +29,7 @@ def _config(block, **more):
                              "trainer": {"total_training_steps": 10, **more.pop("trainer", {})}, **more})
 
 
-# ---- configuration --------------------------------------------------------------------------------------------------
+# ---- configuration ------------------------------------------------------------------------------------------------
 def test_the_block_is_an_agentcredit_entry_and_gives_the_terms_params():
     assert evoke.CONFIG_KEY in BLOCKS
     p = evoke.evoke_params(OmegaConf.create({"agentcredit_evoke": {"weight": 0.5, "goals": 3, "loss": "pairwise"}}))
@@ -54,7 +54,7 @@ def test_a_bad_block_fails_at_start_naming_the_key(block, more, words):
     assert words in str(e.value)
 
 
-# ---- agent loop: the turn's groups ------------------------------------------------------------------------------------
+# ---- agent loop: the turn's groups --------------------------------------------------------------------------------
 def test_turn_groups_rewrite_the_real_prompt_under_each_goal():
     """A MiniGrid turn prompt as the env loop builds it: each group's prompt is that prompt with the current
     observation redrawn for the alternative goal (the history and the rest unchanged), one ``<action>a</action>``
@@ -99,7 +99,7 @@ def test_rank_goals_reports_what_cannot_rank_instead_of_raising_in_the_env():
     assert "algorithm.agentcredit_evoke" in str(evoke.goal_error(why))
 
 
-# ---- driver: the step's sampled rows ----------------------------------------------------------------------------------
+# ---- driver: the step's sampled rows ------------------------------------------------------------------------------
 def _group(v):
     return {"prompt": [1, 2], "answers": [[3], [4]], "values": v}
 
@@ -162,7 +162,7 @@ def test_a_bad_group_is_refused_on_the_driver_naming_the_row(group, words):
     assert words in str(e.value)
 
 
-# ---- worker: the share of each data-parallel rank ---------------------------------------------------------------------
+# ---- worker: the share of each data-parallel rank -----------------------------------------------------------------
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.floats(0, 20, allow_nan=False), min_size=1, max_size=30), st.integers(1, 8),
        st.floats(0, 3, allow_nan=False))
