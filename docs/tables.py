@@ -99,7 +99,7 @@ def term_table() -> str:
 
 def readme_blocks() -> dict[str, str]:
     """The generated blocks of README.md, by marker name."""
-    return {"estimators": estimator_table(), "schedulers": scheduler_table()}
+    return {"estimators": estimator_table(), "schedulers": scheduler_table(), "terms": term_table()}
 
 
 def _marker(name: str) -> re.Pattern:
