@@ -20,13 +20,11 @@ any env is built (alfworld's own env would build a 0-game env whose ``reset()`` 
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import random
 from typing import Any
 
-from .base import StepResult, begin_step, episode_seed, missing_package
+from .base import StepResult, begin_step, episode_seed, missing_package, quiet
 from .prompting import INVALID_PENALTY
 
 __all__ = ["AlfWorldAdapter", "SPLITS", "TASK_TYPES", "find_game_files", "MissingAlfWorldData"]
@@ -84,7 +82,7 @@ def _missing_data(root: str, split: str, detail: str) -> MissingAlfWorldData:
 def _import_alfworld():
     try:
         import textworld
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        with quiet():
             from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos, AlfredTWEnv
     except ImportError as e:
         raise missing_package("alfworld", "alfworld") from e
@@ -153,7 +151,7 @@ class AlfWorldAdapter:
             raise _missing_data(self.data_dir, split, detail)
         self._textworld, tw_env_cls, self._demangler, self._infos_wrapper = _import_alfworld()
         dirs = {s: _split_dir(self.data_dir, s) for s in ("train", "valid_seen", "valid_unseen")}
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        with quiet():
             collector = tw_env_cls(_config(dirs, task_types, -1), train_eval=SPLITS[split][1])
         # sorted, so game i is the same on every file system (alfworld keeps os.walk's order)
         self.game_files = sorted(collector.game_files)

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import random
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 __all__ = ["AgentEnv", "StepResult", "EnvSpec", "DrawnState", "GoalRanking", "GOAL_GAMMA", "missing_package",
-           "episode_seed", "check_snapshot", "reset_seed", "begin_step", "invalid_step"]
+           "quiet", "episode_seed", "check_snapshot", "reset_seed", "begin_step", "invalid_step"]
 
 
 @dataclass
@@ -169,6 +172,23 @@ def check_snapshot(snap: Any, keys: tuple[str, ...], env: str) -> None:
     missing = [k for k in keys if k not in snap]
     if missing:
         raise ValueError(f"{env}.restore(...): the snapshot lacks {missing}; pass what {env}.snapshot() returned")
+
+
+#: held while a :func:`quiet` block has the process's ``sys.stdout`` / ``sys.stderr`` swapped (re-entrant)
+_STREAMS = threading.RLock()
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Drop what the block prints (a game package's import banner or build chatter).
+
+    ``contextlib.redirect_stdout`` swaps the process-wide ``sys.stdout``; two threads that enter and leave it out of
+    order (the verl agent loop's thread backend builds many envs at once) leave it pointing at a dead buffer for the
+    rest of the process, and every later ``print`` / warning of the worker is lost. Every such swap here holds one
+    lock, so the swaps nest properly; what other threads print during the block is dropped too, so keep it to
+    one-off work (imports, env construction), never to a per-step call."""
+    with _STREAMS, contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        yield
 
 
 def missing_package(package: str, env: str) -> ImportError:

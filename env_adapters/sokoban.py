@@ -3,25 +3,27 @@
 Rendering uses verl-agent's glyphs: ``#`` wall, ``_`` floor, ``O`` target, ``X`` box, ``√`` box on target, ``P``
 player, ``S`` player on target; one row per line. Rooms are seeded by seeding NumPy's and Python's global generators
 right before ``SokobanEnv.reset`` (which takes no seed); both generators are restored afterwards, so a reset does not
-disturb the caller's random state. Actions ``up/down/left/right`` are gym-sokoban's push actions 1-4 (push when a box
+disturb the caller's random state. Those generators are process-wide, so resets hold one lock: envs reset at once on
+threads (the verl agent loop's thread backend) each get their seed's room (code outside agentcredit that draws from
+the global generators on another thread during a reset can still shift it). gym-sokoban prints two lines on each
+internal retry of its generator; its module gets a ``print`` that drops them (not a swap of the process's stdout). Actions ``up/down/left/right`` are gym-sokoban's push actions 1-4 (push when a box
 is ahead, else move). Rewards follow the ALFWorld/verl-agent convention: 10 when the last box lands on a target,
 0 otherwise, plus the invalid-action penalty.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import io
 import os
 import random
 import sys
+import threading
 import types
 from typing import Any
 
 import numpy as np
 
-from .base import DrawnState, StepResult, begin_step, check_snapshot, episode_seed, missing_package
+from .base import DrawnState, StepResult, begin_step, check_snapshot, episode_seed, missing_package, quiet
 from .prompting import INVALID_PENALTY
 
 __all__ = ["SokobanAdapter", "GLYPHS", "ACTIONS"]
@@ -57,7 +59,7 @@ def _import_sokoban_env() -> type:
         shim.resource_filename = _resource_filename
         sys.modules["pkg_resources"] = shim
     try:
-        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        with quiet():
             importlib.import_module("gym")
             importlib.import_module("gym_sokoban")
             module = importlib.import_module("gym_sokoban.envs.sokoban_env")
@@ -66,7 +68,16 @@ def _import_sokoban_env() -> type:
     finally:
         if shim is not None and sys.modules.get("pkg_resources") is shim:
             del sys.modules["pkg_resources"]
+    module.print = _drop  # its reset's retry messages (a module global shadows the builtin there only)
     return module.SokobanEnv
+
+
+def _drop(*args, **kwargs) -> None:
+    """``print`` for gym-sokoban's env module: drops the line."""
+
+
+#: held while a reset has NumPy's and Python's global generators seeded for its room
+_GENERATOR = threading.Lock()
 
 
 class SokobanAdapter(DrawnState):
@@ -102,17 +113,17 @@ class SokobanAdapter(DrawnState):
     # ---- AgentEnv -------------------------------------------------------------------------------------------
     def reset(self, seed: int | None = None) -> str:
         seed = episode_seed(self.seed if seed is None else seed, "sokoban", limit=2**32)  # numpy.random.seed
-        np_state, py_state = np.random.get_state(), random.getstate()
-        try:
-            if seed is not None:
-                np.random.seed(seed)
-                random.seed(seed)
-            with contextlib.redirect_stdout(io.StringIO()):  # the generator prints on each internal retry
+        with _GENERATOR:
+            np_state, py_state = np.random.get_state(), random.getstate()
+            try:
+                if seed is not None:
+                    np.random.seed(seed)
+                    random.seed(seed)
                 self._env.reset(render_mode="tiny_rgb_array")
-        finally:
-            if seed is not None:
-                np.random.set_state(np_state)
-                random.setstate(py_state)
+            finally:
+                if seed is not None:
+                    np.random.set_state(np_state)
+                    random.setstate(py_state)
         self._done, self._solved = False, False
         self._state_changed()
         return self.render()

@@ -40,6 +40,9 @@ RECIPES = ROOT / "recipes" / "verl"
 TIMEOUT = float(os.environ.get("AGENTCREDIT_E2E_TIMEOUT", "900"))
 TASKS, SESSIONS, MAX_STEPS = 2, 2, 3
 SUCCESS_REWARD = 10.0
+#: the metrics that account for a step's rows (printed when an assertion on them fails)
+ROW_METRICS = ("agentcredit/steps", "agentcredit/trajectories", "agentcredit/padding_rows", "agentcredit/env_errors",
+               "agentcredit/env_fault_rows", "critic/score/max", "critic/score/min", "global_seqlen/min")
 
 
 @pytest.fixture
@@ -69,13 +72,15 @@ def _check_step(m: dict, *, trajectories: int | None = TASKS * SESSIONS, exact_r
     """``padding``: verl's batch balancing may add padding rows (a row count that episodes ending early leave
     indivisible); the bridge drops them. An episode that solved its room ends early too, so a solved step may have
     padding whatever ``padding`` says (the primed tiny model seldom solves one; CI saw it once)."""
+    rows = {k: m.get(k) for k in ROW_METRICS}  # what a failed row-count assertion prints
+    assert m.get("agentcredit/env_errors", 0) == 0, f"an env fault in a run that injects none: {rows}"
     solved = m["critic/score/max"] >= SUCCESS_REWARD / 2
-    assert m["agentcredit/padding_rows"] == 0 or ((padding or solved) and m["agentcredit/padding_rows"] > 0)
+    assert m["agentcredit/padding_rows"] == 0 or ((padding or solved) and m["agentcredit/padding_rows"] > 0), rows
     if trajectories is not None:
-        assert m["agentcredit/trajectories"] == trajectories
+        assert m["agentcredit/trajectories"] == trajectories, rows
     steps = m["agentcredit/steps"]
-    if exact_rows and m["critic/score/max"] < SUCCESS_REWARD / 2:  # no episode solved: every one ran MAX_STEPS
-        assert steps == m["agentcredit/trajectories"] * MAX_STEPS
+    if exact_rows and not solved:  # no episode solved: every one ran MAX_STEPS
+        assert steps == m["agentcredit/trajectories"] * MAX_STEPS, rows
     assert m["agentcredit/trajectories"] <= steps <= m["agentcredit/trajectories"] * MAX_STEPS
     grad = m["actor/grad_norm"]
     assert math.isfinite(grad)
