@@ -6,9 +6,10 @@ right before ``SokobanEnv.reset`` (which takes no seed); both generators are res
 disturb the caller's random state. Those generators are process-wide, so resets hold one lock: envs reset at once on
 threads (the verl agent loop's thread backend) each get their seed's room (code outside agentcredit that draws from
 the global generators on another thread during a reset can still shift it). gym-sokoban prints two lines on each
-internal retry of its generator; its module gets a ``print`` that drops them (not a swap of the process's stdout). Actions ``up/down/left/right`` are gym-sokoban's push actions 1-4 (push when a box
-is ahead, else move). Rewards follow the ALFWorld/verl-agent convention: 10 when the last box lands on a target,
-0 otherwise, plus the invalid-action penalty.
+internal retry of its generator; its module gets a ``print`` that drops them (not a swap of the process's stdout).
+Actions ``up/down/left/right`` are gym-sokoban's push actions 1-4 (push when a box is ahead, else move). Rewards
+follow the ALFWorld/verl-agent convention: 10 when the last box lands on a target, 0 otherwise, plus the
+invalid-action penalty.
 """
 
 from __future__ import annotations
