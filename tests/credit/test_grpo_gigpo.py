@@ -60,7 +60,7 @@ def test_grpo_std_is_invariant_to_positive_affine_rewards(rewards, scale, shift)
     base = grpo(one_step_group(rewards), eps=1e-12)
     moved = grpo(one_step_group([scale * r + shift for r in rewards]), eps=1e-12)
     spread = np.std(rewards)
-    if spread > 1e-3:
+    if spread > 1e-2:  # rewards are stored as float32: at a spread of 1e-3 and scale 0.1 storage moves z by ~1e-3
         assert torch.allclose(base, moved, atol=1e-3)
 
 
@@ -188,7 +188,9 @@ def test_group_locality(rows):  # X11: adding another group leaves this group's 
 @given(step_batches(), st.floats(0.1, 100.0))
 def test_std_mode_invariant_to_positive_reward_scaling(rows, scale):  # X13
     scaled = [dict(r, reward=r["reward"] * scale) for r in rows]
-    a, b = gigpo(table(rows), eps=1e-12), gigpo(table(scaled), eps=1e-12)
+    # eps scales with the rewards, so the invariance is exact in real arithmetic: a group of equal returns whose float
+    # mean lands an ulp off gets z ~ ulp / (std ~ ulp + eps), which a fixed tiny eps leaves at 1e-3..1e-1 on one side
+    a, b = gigpo(table(rows), eps=1e-8), gigpo(table(scaled), eps=1e-8 * scale)
     # a group with a single step row keeps its raw return (verl's singleton convention, T2.4): it scales
     sizes = {g: sum(r["group"] == g for r in rows) for g in {r["group"] for r in rows}}
     shared = torch.tensor([sizes[r["group"]] > 1 for r in rows])
