@@ -3,6 +3,7 @@
 import random
 import subprocess
 import sys
+import threading
 from collections import deque
 
 import numpy as np
@@ -167,8 +168,6 @@ def test_sokoban_rooms_reset_at_once_on_threads_are_each_seeds_room_and_stdout_s
     """The verl agent loop's thread backend builds and resets many envs at once: each reset still gets its seed's room
     (the global generators it seeds are held by one lock; without it 44 of 200 rooms came out different), and the
     process's stdout / stderr are its own afterwards (the build's import silencing swaps them under one lock)."""
-    import threading
-
     seeds = list(range(24))
     expected = {s: make("sokoban").reset(s) for s in seeds}
     out, err = sys.stdout, sys.stderr
@@ -194,12 +193,10 @@ def test_sokoban_rooms_reset_at_once_on_threads_are_each_seeds_room_and_stdout_s
 def test_quiet_blocks_entered_on_two_threads_nest_and_give_the_streams_back():
     """Thread A enters ``quiet``; thread B tries to enter while A is inside. Unlocked, B would enter, A would leave
     first and B would then restore A's buffer as the process's stdout for good; with the lock B waits for A."""
-    import threading
-
     from env_adapters.base import quiet
 
     out, err = sys.stdout, sys.stderr
-    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    a_in, b_in, a_done = threading.Event(), threading.Event(), threading.Event()
     seen = {}
 
     def first():
@@ -207,20 +204,20 @@ def test_quiet_blocks_entered_on_two_threads_nest_and_give_the_streams_back():
             print("dropped")
             a_in.set()
             seen["b entered while a was inside"] = b_in.wait(timeout=0.5)
-        a_out.set()
+            a_done.set()  # the last thing inside A's block: set before A's block releases the lock
 
     def second():
         a_in.wait()
         with quiet():
             b_in.set()
-            seen["a had left"] = a_out.is_set()
+            seen["a's block had ended"] = a_done.is_set()
 
     threads = [threading.Thread(target=first), threading.Thread(target=second)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert seen == {"b entered while a was inside": False, "a had left": True}
+    assert seen == {"b entered while a was inside": False, "a's block had ended": True}
     assert sys.stdout is out and sys.stderr is err
 
 
