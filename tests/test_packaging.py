@@ -20,6 +20,20 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert ci_cmd[0] in read("README.md")
 
 
+def test_ci_builds_the_vllm_environment_and_runs_the_vllm_tests_as_the_readme_shows():
+    ci = read(".ci/run")
+    readme = read("README.md")
+    assert 'bash scripts/vllm-cpu-env.sh "$VLLM_VENV"' in ci and "bash scripts/vllm-cpu-env.sh .venv-vllm" in readme
+    (line,) = [ln for ln in ci.splitlines() if "-m pytest" in ln and "-m vllm" in ln]
+    assert line.replace('"$VLLM_VENV/bin/python"', ".venv-vllm/bin/python") in readme
+    assert ci.index("python -m pytest -q") < ci.index(line)  # after the main suite
+
+
+def test_vllm_cpu_plugin_entry_point_is_installed():
+    eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert eps.get("agentcredit_cpu") == "agentcredit.vllm_cpu:register"
+
+
 def test_ci_pins_cpu_torch_before_installing_the_package():
     ci = read(".ci/run")
     assert ci.index('"torch==2.13.0"') < ci.index("-e '.[verl,trl,envs,test]'")

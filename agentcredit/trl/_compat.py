@@ -5,6 +5,8 @@
 * :func:`grpo_trainer`, :func:`grpo_config`, :func:`model_config`: TRL's classes, imported on first use, for the app
   (``agentcredit train``, the recipe loader), which never imports ``trl`` itself.
 * :func:`checkpoint_folder`: the ``checkpoint-N`` folder ``Trainer._save_checkpoint`` just wrote.
+* :func:`cpu_vllm_engine`: on vLLM's CPU build, the engine settings TRL's colocated ``LLM`` needs
+  (:mod:`agentcredit.vllm_cpu`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,19 @@ HOOKS = {"_generate_and_score_completions": ["self", "inputs"],
 
 class TRLInternalsChanged(RuntimeError):
     """The installed TRL lacks an internal the bridge relies on (it is pinned to ``trl>=1.16,<1.17``)."""
+
+
+def cpu_vllm_engine() -> bool:
+    """On vLLM's CPU build (:mod:`agentcredit.vllm_cpu`), the colocated engine TRL builds in
+    ``trl.generation.vllm_generation`` gets eager mode and fp32 unless given (TRL passes neither); the weight patch
+    reaches it through vLLM's own plugin loading in this process. A no-op without the CPU build."""
+    from .. import vllm_cpu
+
+    if not vllm_cpu.cpu_build_installed():
+        return False
+    import trl.generation.vllm_generation as module
+
+    return vllm_cpu.engine_defaults(module, "LLM")
 
 
 def grpo_trainer() -> type:

@@ -78,7 +78,7 @@ from credit_plugins.scaling import DEFAULT_ADV_SCALE, adv_scale_factor, check_ad
 from credit_plugins.steptable import StepTable, list_block
 
 from ..state import load_state
-from ._compat import TRLInternalsChanged, check_trl, checkpoint_folder, grpo_trainer
+from ._compat import TRLInternalsChanged, check_trl, checkpoint_folder, cpu_vllm_engine, grpo_trainer
 
 __all__ = ["CreditMixin", "make_trainer", "term_mixin", "check_trl", "TRLInternalsChanged", "turn_ids_from_mask",
            "StepRow", "STATE_FILE"]
@@ -242,6 +242,7 @@ class CreditMixin:
         # an estimator that merges similar states (similarity_thresh) reads the state texts, not only their hashes
         self._agentcredit_texts = registry.get(self.credit).reads_state_text(**dict(self.credit_params))
         self._agentcredit_ctx: dict[str, Any] | None = None
+        cpu_vllm_engine()
         super().__init__(*args, **kwargs)
         if self.adv_scale != "none" and registry.get(self.credit).output == "token" and \
                 self.accelerator.num_processes > 1:

@@ -48,6 +48,7 @@ import logging
 
 from credit_plugins import registry
 
+from .. import vllm_cpu
 from . import distill, evoke, hooks, preflight, sprpo, trl_probe
 from ._compat import install_post_import_hooks
 from .adapter import make_verl_estimator
@@ -81,6 +82,9 @@ def register_agent_loops(_module=None) -> None:
 
 
 try:
+    # vLLM's CPU build (distribution vllm-cpu): verl's version check reads the distribution 'vllm' when it first
+    # imports verl.third_party.vllm, after this plugin; a no-op unless the CPU build is installed
+    vllm_cpu.alias_vllm_version()
     _registered, _skipped = register_all()
     hooks.install()
     distill.install()

@@ -61,6 +61,7 @@ response tokens with ``response_mask`` 1 (at most ``rollout.response_length``), 
     truncated    the episode hit max_steps without a terminal state (same on every row)
     valid        the action was admissible (bool)
     by_teacher   Guided-OPD's teacher wrote this turn (bool; its response_mask is all 0; agentcredit.verl.guided)
+    teacher_tokens  the tokens the teacher generated for that turn (0 on the policy's turns)
     signature    MVPO's viability signature: ``anchor_key|d<3 * (t // 3)>`` (the state and its depth bin)
     env_error / env_error_detail / env_fault_row   the env fault of the episode (see below; "" / "" / False)
     min_global_steps / max_global_steps   the rollout server's weight versions (None when it reports none)
@@ -277,7 +278,8 @@ class EnvAgentLoop(AgentLoopBase):
         return dict(prompt_ids=prompt_ids, response_ids=[self._filler_token()], response_mask=[0],
                     response_logprobs=[0.0] if logprobs else None, metrics={}, server_extra={},
                     extra={"step_idx": 0, "anchor_key": anchor, "action_key": None, "step_reward": 0.0,
-                           "valid": False, "by_teacher": False, "signature": step_signature(anchor, 0),
+                           "valid": False, "by_teacher": False, "teacher_tokens": 0,
+                           "signature": step_signature(anchor, 0),
                            FAULT_ROW: True})
 
     async def run(self, sampling_params: dict[str, Any], priority: int = 0, **kwargs) -> list[AgentLoopOutput]:
@@ -369,7 +371,8 @@ class EnvAgentLoop(AgentLoopBase):
                     metrics=metrics, server_extra=dict(out.extra_fields or {}),
                     extra={"step_idx": t, "anchor_key": anchor, "action_key": action_key,
                            "step_reward": float(result.reward) + penalty, "valid": action_key is not None,
-                           "by_teacher": by_teacher, "signature": step_signature(anchor, t), FAULT_ROW: False,
+                           "by_teacher": by_teacher, "teacher_tokens": len(out.token_ids) if by_teacher else 0,
+                           "signature": step_signature(anchor, t), FAULT_ROW: False,
                            **more}))
                 history.append((observation, action_key))
                 observation = result.observation

@@ -31,7 +31,9 @@ patched on both the plain class and the class Ray actually instantiates (``Actor
 modified_class``, on which Ray sets its own tracing wrapper of every method); the wrap travels inside the class that
 Ray pickles for the agent-loop worker process. The trainer hook reports the coverage per step:
 ``agentcredit_distill/teacher_rows`` (rows whose response tokens carry teacher log-probs) and
-``agentcredit_distill/rows`` (non-padding rows of the batch); the worker's wrapped ``_compute_teacher_logprobs``
+``agentcredit_distill/rows`` (non-padding rows of the batch), ``agentcredit_distill/teacher_tokens`` (the prompt and
+response tokens those rows sent the teacher's server to score: the step's teacher log-prob traffic); the worker's
+wrapped ``_compute_teacher_logprobs``
 flags each row (``extra_fields["agentcredit_teacher_scored"]``) while the teacher's tensor is at hand, so the
 trainer never reads the teacher log-probs back for the metric.
 
@@ -554,6 +556,8 @@ def schedule_step(trainer, batch, metrics: dict, tq=None) -> dict[str, Any] | No
 
 #: the per-row extra field the agent-loop worker sets when the teacher scored a row (:func:`teacher_scored`)
 SCORED_KEY = "agentcredit_teacher_scored"
+#: extra field: the prompt + response tokens the teacher's server scored for the row (0 in validation)
+TOKENS_KEY = "agentcredit_teacher_tokens"
 
 
 def teacher_scored(output, prompt_len: int | None = None, response_len: int | None = None) -> bool:
@@ -575,22 +579,26 @@ def teacher_scored(output, prompt_len: int | None = None, response_len: int | No
             ("self", "output", "prompt_ids", "response_ids", "validate", "sample_kwargs"))
 def wrap_compute_teacher_logprobs(orig):
     """``_compute_teacher_logprobs``: verl's code, then the row's :data:`SCORED_KEY` extra field (with distillation
-    on), so the trainer's coverage metric reads one bool per row instead of every row's teacher log-probs."""
+    on), so the trainer's coverage metric reads one bool per row instead of every row's teacher log-probs, and
+    :data:`TOKENS_KEY`, the tokens that request sent the teacher to score (its traffic)."""
 
     async def _compute_teacher_logprobs(self, output, prompt_ids, response_ids, validate, sample_kwargs=None):
         result = await orig(self, output, prompt_ids=prompt_ids, response_ids=response_ids, validate=validate,
                             sample_kwargs=sample_kwargs)
         if getattr(self, "distillation_enabled", False):
             output.extra_fields[SCORED_KEY] = teacher_scored(output, len(prompt_ids), len(response_ids))
+            # the traffic to the teacher's server: one request scoring the row's prompt and response tokens
+            output.extra_fields[TOKENS_KEY] = len(prompt_ids) + len(response_ids) if not validate else 0
         return result
 
     return _compute_teacher_logprobs
 
 
 def teacher_coverage(tq, batch) -> dict[str, int]:
-    """``{"teacher_rows", "rows"}`` of a v1 batch: non-padding rows whose response tokens carry finite, non-zero
-    teacher log-probs (the :data:`SCORED_KEY` flag the agent-loop worker set, :func:`wrap_compute_teacher_logprobs`),
-    and all non-padding rows. Reads the rows' ``extra_fields`` only (what the credit bridge reads anyway), never the
+    """``{"teacher_rows", "rows", "teacher_tokens"}`` of a v1 batch: non-padding rows whose response tokens carry
+    finite, non-zero teacher log-probs (the :data:`SCORED_KEY` flag the agent-loop worker set,
+    :func:`wrap_compute_teacher_logprobs`), all non-padding rows, and the tokens the teacher's server scored for
+    the non-padding rows (:data:`TOKENS_KEY`: the step's teacher log-prob traffic). Reads the rows' ``extra_fields`` only (what the credit bridge reads anyway), never the
     teacher log-probs themselves (``[S, K]`` per row: gigabytes per step at top-k scale); rows without the flag
     (written without the hook) count as unscored."""
     pad = [bool((t or {}).get("is_padding", False)) for t in batch.tags] if batch.tags is not None else None
@@ -602,10 +610,11 @@ def teacher_coverage(tq, batch) -> dict[str, int]:
     except Exception as e:  # noqa: BLE001  (a metric never stops the step; bad teacher data fails in the loss)
         _warn_once("coverage", "agentcredit: could not read the rows' extra_fields for "
                    "agentcredit_distill/teacher_rows: %r", e)
-        return {"teacher_rows": 0, "rows": rows}
-    scored = sum(1 for i, e in enumerate(extra)
-                 if not (pad and pad[i]) and isinstance(e, Mapping) and bool(e.get(SCORED_KEY, False)))
-    return {"teacher_rows": scored, "rows": rows}
+        return {"teacher_rows": 0, "rows": rows, "teacher_tokens": 0}
+    kept = [e for i, e in enumerate(extra) if not (pad and pad[i]) and isinstance(e, Mapping)]
+    scored = sum(1 for e in kept if bool(e.get(SCORED_KEY, False)))
+    tokens = sum(int(e.get(TOKENS_KEY, 0) or 0) for e in kept)
+    return {"teacher_rows": scored, "rows": rows, "teacher_tokens": tokens}
 
 
 # ---- every output of a multi-output agent loop goes to the teacher (see the module doc) -----------------------------

