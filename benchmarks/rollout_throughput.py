@@ -202,29 +202,26 @@ class VLLMServer:
         self.engine.shutdown()
 
 
-def play_real(server, n: int, turns_: int, tok) -> float:
-    """Seconds for ``n`` sessions of the real env loop on Sokoban, ``turns_`` turns each, against ``server``."""
+async def play_real(server, n: int, turns_: int, tok) -> float:
+    """Seconds for ``n`` sessions of the real env loop on Sokoban, ``turns_`` turns each, against ``server`` (on the
+    running event loop: vLLM's async engine lives on the loop that built it)."""
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap
     from verl.utils.dataset.rl_dataset import RLHFDataset
 
     cfg = _config(turns_)
     sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True}
-    loops = []
-
-    async def main():
-        loops.extend(_loop_cls()(
-            trainer_config=DictConfigWrap(cfg), server_manager=server, tokenizer=tok, processor=None,
-            dataset_cls=RLHFDataset, data_config=DictConfigWrap(cfg.data), hf_model_type="qwen2",
-            env_name="sokoban", env_options={"size": 6, "num_boxes": 1}, max_steps=turns_, env_backend="thread",
-            env_workers=128, env_timeout_s=None) for _ in range(n))
+    loops = [_loop_cls()(
+        trainer_config=DictConfigWrap(cfg), server_manager=server, tokenizer=tok, processor=None,
+        dataset_cls=RLHFDataset, data_config=DictConfigWrap(cfg.data), hf_model_type="qwen2",
+        env_name="sokoban", env_options={"size": 6, "num_boxes": 1}, max_steps=turns_, env_backend="thread",
+        env_workers=128, env_timeout_s=None) for _ in range(n)]
+    try:
         t0 = time.perf_counter()
         await asyncio.gather(*(lp.run(dict(sampling), raw_prompt=[], uid="bench", session_id=i, seed=i)
                                for i, lp in enumerate(loops)))
         return time.perf_counter() - t0
-
-    wall = asyncio.run(main())
-    loops[0].envs.close()
-    return wall
+    finally:
+        loops[0].envs.close()
 
 
 def part_servers(args) -> None:
@@ -243,14 +240,18 @@ def part_servers(args) -> None:
     print(f"part servers: N={n} sessions x T={t} turns of Sokoban, {os.cpu_count()} cores, one Sokoban step "
           f"E={e * 1000:.2f} ms, {TINY_H32} primed, fp32")
     print(f"{'server':<8} {'G s':>7} {'wall s':>8} {'ideal s':>8} {'wall/ideal':>10} {'turns/s':>8}")
-    for name, build in (("hfcpu", HFServer), ("vllm", VLLMServer)):
+
+    async def measure(build):
         server = build(path, 32)
         try:
-            play_real(server, 1, 1, tok)  # warm-up (vLLM's first request compiles nothing in eager mode, but warms)
-            g = play_real(server, 1, 1, tok)
-            wall = play_real(server, n, t, tok)
+            await play_real(server, 1, 1, tok)  # warm-up
+            g = await play_real(server, 1, 1, tok)
+            return g, await play_real(server, n, t, tok)
         finally:
             getattr(server, "close", lambda: None)()
+
+    for name, build in (("hfcpu", HFServer), ("vllm", VLLMServer)):
+        g, wall = asyncio.run(measure(build))
         ideal = t * (g + e)
         print(f"{name:<8} {g:>7.3f} {wall:>8.2f} {ideal:>8.2f} {wall / ideal:>10.1f} {n * t / wall:>8.1f}", flush=True)
 
