@@ -140,7 +140,7 @@ def _pages() -> dict[str, set[str]]:
 
 def _files():
     for folder, dirs, files in os.walk(ROOT):
-        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.startswith(".venv"))  # .venv-vllm too
         for f in sorted(files):
             rel = os.path.relpath(os.path.join(folder, f), ROOT)
             if (f.endswith(EXTENSIONS) or rel in EXTRA_FILES) and rel != THIS:
