@@ -598,9 +598,10 @@ def teacher_coverage(tq, batch) -> dict[str, int]:
     """``{"teacher_rows", "rows", "teacher_tokens"}`` of a v1 batch: non-padding rows whose response tokens carry
     finite, non-zero teacher log-probs (the :data:`SCORED_KEY` flag the agent-loop worker set,
     :func:`wrap_compute_teacher_logprobs`), all non-padding rows, and the tokens the teacher's server scored for
-    the non-padding rows (:data:`TOKENS_KEY`: the step's teacher log-prob traffic). Reads the rows' ``extra_fields`` only (what the credit bridge reads anyway), never the
-    teacher log-probs themselves (``[S, K]`` per row: gigabytes per step at top-k scale); rows without the flag
-    (written without the hook) count as unscored."""
+    the non-padding rows (:data:`TOKENS_KEY`: the step's teacher log-prob traffic). Reads the rows'
+    ``extra_fields`` only (what the credit bridge reads anyway), never the teacher log-probs themselves (``[S, K]``
+    per row: gigabytes per step at top-k scale); rows without the flag (written without the hook) count as
+    unscored."""
     pad = [bool((t or {}).get("is_padding", False)) for t in batch.tags] if batch.tags is not None else None
     rows = len(batch.keys) - (sum(pad) if pad else 0)
     try:

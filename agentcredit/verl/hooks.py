@@ -111,9 +111,10 @@ def adv_scale_asked(algorithm: Any) -> bool:
 
 def loop_stats(meta: RowMeta) -> dict[str, float]:
     """Step statistics of the env loop's optional fields over the batch's non-padding rows: the share of turns the
-    Guided-OPD teacher wrote (``by_teacher``) and their mean generated tokens (``teacher_tokens``), and for CCM's memory context (``context: memory``) the cumulative input
-    saving over the full transcript, ``1 - sum prompt_tokens / sum full_prompt_tokens``, and the malformed-memory
-    rate; {} when the rows have none of them."""
+    Guided-OPD teacher wrote (``by_teacher``) and their mean generated tokens (``teacher_tokens``), and for CCM's
+    memory context (``context: memory``) the cumulative input saving over the full transcript,
+    ``1 - sum prompt_tokens / sum full_prompt_tokens``, and the malformed-memory rate; {} when the rows have none of
+    them."""
     from env_adapters.memory_context import input_token_saving
 
     cols = meta.columns
@@ -122,10 +123,11 @@ def loop_stats(meta: RowMeta) -> dict[str, float]:
     if not rows:
         return stats
     if "by_teacher" in cols:
-        stats["agentcredit/guided_teacher_turns"] = sum(bool(cols["by_teacher"][i]) for i in rows) / len(rows)
         taught = [i for i in rows if bool(cols["by_teacher"][i])]
+        stats["agentcredit/guided_teacher_turns"] = len(taught) / len(rows)
         if taught and "teacher_tokens" in cols:  # a teacher turn of one token cannot hold an action
-            stats["agentcredit/guided_teacher_tokens"] = sum(int(cols["teacher_tokens"][i]) for i in taught) / len(taught)
+            tokens = sum(int(cols["teacher_tokens"][i]) for i in taught)
+            stats["agentcredit/guided_teacher_tokens"] = tokens / len(taught)
     if "full_prompt_tokens" not in cols or "prompt_tokens" not in cols:
         return stats
     stats |= {"agentcredit/ccm_input_saving": input_token_saving([int(cols["prompt_tokens"][i]) for i in rows],

@@ -321,7 +321,8 @@ MEMORY_ANSWERS = ("box</memory><action>up</action>", "wall</memory><action>down<
 
 def primed_tiny_model(answers: Sequence[str] = PRIME_ANSWERS, steps: int = 150, seed: int = 0,
                       context: str = "transcript", base: str | None = None) -> str:
-    """The tiny local Qwen2 (or ``base``, an ``agentcredit.models`` name), fitted for ``steps`` Adam steps to answer any prompt with one of ``answers`` (uniform).
+    """The tiny local Qwen2 (or ``base``, an ``agentcredit.models`` name), fitted for ``steps`` Adam steps to answer
+    any prompt with one of ``answers`` (uniform).
 
     A random tiny model never writes ``<action>...</action>``, so every step of every episode gets the same
     invalid-action penalty and every group has zero variance: the estimators' advantages are all zero and a smoke

@@ -3,10 +3,10 @@
 Each test is a real 2-step run of a shipped recipe through :func:`agentcredit.verl.smoke.prepare` with
 ``rollout="vllm"`` (``agentcredit verl RECIPE --cpu-smoke --rollout vllm``): verl starts its ``vLLMHttpServer``
 replica with dummy weights and syncs the actor's into it before each step's rollout; the agent-loop workers generate
-through verl's client and load balancer. The model is ``tiny-qwen2-h32`` (two heads of size 32: vLLM's CPU attention refuses head size
-16), primed to answer in the action format. Besides what ``tests/verl/test_verl_e2e.py``'s ``_check_step`` asserts
-for every step (rows, credit, and rollout/trainer log-probs equal to 1e-4: the synced weights), each test checks what
-its loop must show on this server:
+through verl's client and load balancer. The model is ``tiny-qwen2-h32`` (two heads of size 32: vLLM's CPU attention
+refuses head size 16), primed to answer in the action format. Besides what ``tests/verl/test_verl_e2e.py``'s
+``_check_step`` asserts for every step (rows, credit, and rollout/trainer log-probs equal to 1e-4: the synced
+weights), each test checks what its loop must show on this server:
 
 * the env loop (GiGPO) trains at learning rate 1e-2, so step 1's update moves the weights by far more than the
   log-prob tolerance (the TRL negative control in ``test_trl_vllm_cpu.py`` measures ~2.6 nats for stale weights after
@@ -42,8 +42,8 @@ def test_sokoban_gigpo_env_loop_on_vllm_servers_writes_the_ross_archive(workdir)
     from distill_plugins.ross import read_archive
 
     archive = workdir / "rollouts.jsonl"
-    metrics, log = _run("sokoban_gigpo", workdir, rollout="vllm",
-                        overrides=["actor_rollout_ref.actor.optim.lr=1e-2", f"+algorithm.agentcredit_archive={archive}"])
+    overrides = ["actor_rollout_ref.actor.optim.lr=1e-2", f"+algorithm.agentcredit_archive={archive}"]
+    metrics, log = _run("sokoban_gigpo", workdir, rollout="vllm", overrides=overrides)
     assert "vLLMHttpServer" in log and "hfcpu" not in log.lower()
     for step in (1, 2):
         _check_step(metrics[step], nonzero_adv=step == 1)
